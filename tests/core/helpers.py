@@ -1,0 +1,151 @@
+"""Factories, a paged fake model and the leak check shared by the core tests (no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from tokenweir.config import CacheConfig, SchedulerConfig
+from tokenweir.core.scheduler import Scheduler, SchedulerOutput
+from tokenweir.request import Request, SamplingParams
+
+EOS = 2
+
+
+def create_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
+                     max_model_len: Optional[int] = None, num_blocks: int = 64, block_size: int = 4,
+                     policy: str = "fcfs", enable_chunked_prefill: bool = True,
+                     long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
+                     watermark: float = 0.0) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                        max_model_len=max_model_len, policy=policy,
+                        enable_chunked_prefill=enable_chunked_prefill,
+                        long_prefill_token_threshold=long_prefill_token_threshold),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks,
+                    enable_prefix_caching=enable_prefix_caching, watermark=watermark))
+
+
+def make_request(request_id: str, prompt: list[int] | int, *, max_tokens: Optional[int] = 4,
+                 arrival_time: float = 0.0, priority: int = 0, **params) -> Request:
+    if isinstance(prompt, int):
+        # Distinct tokens per request id, so prompts share nothing unless a test says so.
+        base = 1000 + 100 * (abs(hash(request_id)) % 1000)
+        prompt = list(range(base, base + prompt))
+    return Request(request_id=request_id, prompt_token_ids=prompt,
+                   sampling_params=SamplingParams(max_tokens=max_tokens, **params),
+                   arrival_time=arrival_time, priority=priority, eos_token_id=EOS)
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model: a deterministic function of the whole context, never EOS."""
+    h = 0
+    for t in context:
+        h = (h * 31 + t) % 1_000_003
+    return 3 + h % 997
+
+
+@dataclass
+class _RunnerRequest:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class PagedFakeRunner:
+    """Stands in for the model runner and checks the scheduler's bookkeeping for real.
+
+    It keeps its own copy of each request's tokens and block table, updated only from
+    SchedulerOutput, "writes" each computed token into a fake paged KV cache at its slot, and
+    computes the next token from the context it reads back through the block table. A wrong
+    block table, a bad prefix-cache hit or a lost/duplicated token changes the output stream
+    or trips an assertion.
+    """
+
+    block_size: int
+    token_fn: Callable[[list[int]], int] = next_token
+    kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (token, position)
+    state: dict[str, _RunnerRequest] = field(default_factory=dict)
+
+    def _slot(self, req: _RunnerRequest, pos: int) -> int:
+        return req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _read(self, req: _RunnerRequest, upto: int) -> list[int]:
+        context = []
+        for pos in range(upto):
+            token, stored_pos = self.kv[self._slot(req, pos)]
+            assert stored_pos == pos, f"slot of position {pos} holds position {stored_pos}"
+            context.append(token)
+        return context
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        for rid in out.finished_req_ids | out.preempted_req_ids:
+            self.state.pop(rid, None)
+        for new in out.scheduled_new_reqs:
+            req = _RunnerRequest(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+            # A prefix-cache hit must hand over blocks that already hold exactly these tokens.
+            assert self._read(req, req.num_computed_tokens) == req.token_ids[:req.num_computed_tokens]
+            self.state[new.request_id] = req
+        for cached in out.scheduled_cached_reqs:
+            req = self.state[cached.request_id]
+            assert req.num_computed_tokens == cached.num_computed_tokens
+            req.block_ids.extend(cached.new_block_ids)
+        # Write all K/V of the step first, then attend, as the real model does per layer.
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.state[rid]
+            assert n >= 1 and req.num_computed_tokens + n <= len(req.token_ids)
+            for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
+                self.kv[self._slot(req, pos)] = (req.token_ids[pos], pos)
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.state[rid]
+            req.num_computed_tokens += n
+            if req.num_computed_tokens == len(req.token_ids):
+                context = self._read(req, req.num_computed_tokens)
+                assert context == req.token_ids
+                token = self.token_fn(context)
+                req.token_ids.append(token)
+                sampled[rid] = [token]
+        return sampled
+
+
+def reference_stream(prompt: list[int], num_tokens: int,
+                     token_fn: Callable[[list[int]], int] = next_token) -> list[int]:
+    """What a request generates when it runs alone and uninterrupted."""
+    context, out = list(prompt), []
+    for _ in range(num_tokens):
+        token = token_fn(context)
+        out.append(token)
+        context.append(token)
+    return out
+
+
+def step(scheduler: Scheduler, runner: PagedFakeRunner, now: float = 0.0) -> SchedulerOutput:
+    """One engine step with the invariants every step must keep."""
+    out = scheduler.schedule(now=now)
+    assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+    assert out.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
+    assert len(out.num_scheduled_tokens) <= scheduler.config.max_num_seqs
+    assert len(scheduler.running) <= scheduler.config.max_num_seqs
+    scheduler.update_from_output(out, runner.execute(out), now=now)
+    return out
+
+
+def run_until_done(scheduler: Scheduler, runner: PagedFakeRunner, max_steps: int = 10_000) -> int:
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        step(scheduler, runner, now=float(steps))
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+    return steps
+
+
+def assert_no_leaks(scheduler: Scheduler) -> None:
+    """After a test: nothing queued or running, every block free with ref count 0."""
+    assert not scheduler.has_unfinished_requests(), list(scheduler.requests)
+    assert len(scheduler.waiting) == 0 and scheduler.running == []
+    kv = scheduler.kv_cache_manager
+    assert kv.req_to_blocks == {}
+    assert kv.get_num_free_blocks() == kv.num_blocks
+    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)

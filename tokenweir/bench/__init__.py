@@ -1,0 +1,1 @@
+"""Benchmarking tools: `tokenweir bench serve` drives an OpenAI-compatible server with load."""

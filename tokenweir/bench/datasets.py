@@ -1,0 +1,162 @@
+"""Benchmark workloads: random lengths, a shared-prefix set, and replay of the Azure LLM trace.
+
+Prompts are filler text of a target token length. Words are drawn at random for every
+prompt so that two prompts share no prefix by accident: a server's prefix cache would
+otherwise turn a "random" workload into a cache benchmark. Only the prefix dataset
+shares text on purpose.
+
+The trace dataset replays the Azure LLM inference trace 2023 (conversation;
+Azure/AzurePublicDataset, published with the Splitwise paper, ISCA 2024), licensed
+CC-BY 4.0, in vidur's processed column names: arrived_at, num_prefill_tokens,
+num_decode_tokens.
+"""
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+# Common English words that BPE tokenizers (GPT-2, Llama, Qwen, SmolLM) encode as one token
+# each when preceded by a space, so that without a tokenizer a prompt of n words is close
+# to n tokens.
+FILLER_WORDS: tuple[str, ...] = tuple("""
+the of and to in is was for that on with as by at from his her they this had not are but
+one all were when we there can an which their said if do will each about how up out them
+then she many some so these would other into has more two like him see time could no make
+than first been its who now people my made over did down only way find use may water long
+little very after words called just where most know get through back much before go good
+new write our used me man too any day same right look think also around another came come
+work three word must because does part even place well such here take why things help put
+years different away again off went old number great tell men say small every found still
+between name should home big give air line set own under read last never us left end along
+while might next sound below saw something thought both few those always looked show large
+often together asked house world going want school important until form food keep children
+""".split())
+
+
+class Tokenizer(Protocol):
+    """The slice of a Hugging Face tokenizer that prompt building needs."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class BenchRequest:
+    prompt: str
+    # Exact with a tokenizer; otherwise the nominal length (one filler word per token),
+    # replaced by the server's reported usage once the request has run.
+    prompt_len: int
+    output_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class TraceRow:
+    arrival_s: float
+    prompt_len: int
+    output_len: int
+
+
+class PromptBuilder:
+    """Builds filler prompts of a target token length from a seeded RNG."""
+
+    def __init__(self, rng: np.random.Generator, tokenizer: Tokenizer | None = None) -> None:
+        self._rng = rng
+        self._tokenizer = tokenizer
+
+    def build(self, num_tokens: int) -> tuple[str, int]:
+        """Return (prompt text, its length in tokens)."""
+        words = self._rng.choice(FILLER_WORDS, size=num_tokens)
+        text = " ".join(words)
+        if self._tokenizer is None:
+            return text, num_tokens
+        # Every filler word is at least one token, so truncating the ids hits the target;
+        # re-encoding the decoded text measures what the server will actually see.
+        ids = self._tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
+        text = self._tokenizer.decode(ids)
+        return text, self.count_tokens(text, num_tokens)
+
+    def count_tokens(self, text: str, nominal: int) -> int:
+        """Exact length with a tokenizer; without one, the nominal length is all we know."""
+        if self._tokenizer is None:
+            return nominal
+        return len(self._tokenizer.encode(text, add_special_tokens=False))
+
+
+def sample_lengths(mean_len: int, range_ratio: float, num: int,
+                   rng: np.random.Generator) -> np.ndarray:
+    """Uniform integers in [floor(L*(1-r)), ceil(L*(1+r))], inclusive, at least 1 (vLLM's rule)."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range ratio must be in [0, 1), got {range_ratio}")
+    low = max(1, math.floor(mean_len * (1.0 - range_ratio)))
+    high = max(low, math.ceil(mean_len * (1.0 + range_ratio)))
+    return rng.integers(low, high + 1, size=num)
+
+
+def make_random_requests(num: int, input_len: int, output_len: int, range_ratio: float,
+                         builder: PromptBuilder, rng: np.random.Generator) -> list[BenchRequest]:
+    input_lens = sample_lengths(input_len, range_ratio, num, rng)
+    output_lens = sample_lengths(output_len, range_ratio, num, rng)
+    requests = []
+    for n_in, n_out in zip(input_lens, output_lens):
+        prompt, prompt_len = builder.build(int(n_in))
+        requests.append(BenchRequest(prompt, prompt_len, int(n_out)))
+    return requests
+
+
+def make_prefix_requests(num: int, prefix_len: int, suffix_len: int, output_len: int,
+                         range_ratio: float, builder: PromptBuilder,
+                         rng: np.random.Generator) -> list[BenchRequest]:
+    """One common prefix (a long system prompt, say) followed by a unique suffix per request."""
+    prefix, prefix_tokens = builder.build(prefix_len)
+    output_lens = sample_lengths(output_len, range_ratio, num, rng)
+    requests = []
+    for n_out in output_lens:
+        suffix, suffix_tokens = builder.build(suffix_len)
+        prompt = f"{prefix} {suffix}"
+        # Measure the joined text: with a tokenizer a token may merge across the boundary.
+        prompt_len = builder.count_tokens(prompt, prefix_tokens + suffix_tokens)
+        requests.append(BenchRequest(prompt, prompt_len, int(n_out)))
+    return requests
+
+
+def read_trace(path: Path, num: int, rate_scale: float = 1.0,
+               max_input_len: int | None = None,
+               max_output_len: int | None = None) -> list[TraceRow]:
+    """The first `num` rows of the trace, in order, so the real arrival process is kept.
+
+    Arrival times are shifted to start at 0 and divided by `rate_scale` (2.0 replays the
+    trace at twice its rate). Lengths are capped, e.g. to fit the model's context.
+    """
+    if not rate_scale > 0:
+        raise ValueError(f"rate scale must be > 0, got {rate_scale}")
+    rows: list[TraceRow] = []
+    with open(path, newline="") as f:
+        for record in csv.DictReader(f):
+            if len(rows) == num:
+                break
+            prompt_len = int(float(record["num_prefill_tokens"]))
+            output_len = int(float(record["num_decode_tokens"]))
+            if max_input_len is not None:
+                prompt_len = min(prompt_len, max_input_len)
+            if max_output_len is not None:
+                output_len = min(output_len, max_output_len)
+            rows.append(TraceRow(float(record["arrived_at"]), max(1, prompt_len),
+                                 max(1, output_len)))
+    if len(rows) < num:
+        raise ValueError(f"trace {path} has {len(rows)} rows, fewer than the {num} requested")
+    start = rows[0].arrival_s if rows else 0.0
+    return [TraceRow((r.arrival_s - start) / rate_scale, r.prompt_len, r.output_len)
+            for r in rows]
+
+
+def make_trace_requests(rows: list[TraceRow], builder: PromptBuilder) -> list[BenchRequest]:
+    requests = []
+    for row in rows:
+        prompt, prompt_len = builder.build(row.prompt_len)
+        requests.append(BenchRequest(prompt, prompt_len, row.output_len))
+    return requests

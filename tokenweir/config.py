@@ -1,0 +1,163 @@
+"""Engine arguments (vLLM's names) and the three configs they resolve into.
+
+`EngineArgs` is what users set; `create_engine_configs()` fills defaults that depend on the
+model (max_model_len) and checks that the knobs agree with each other. No torch here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, fields
+from typing import Optional, Union
+
+from tokenweir.core.queues import POLICIES
+
+PREEMPTION_MODES = ("recompute",)  # swap arrives with its own issue; SchedulerOutput has the seam
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+               "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_size(value: Union[int, float, str]) -> int:
+    """Bytes from 123, 1.5e9, "512MiB", "2GiB", "2G"."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if value <= 0:
+            raise ValueError(f"memory size must be positive, got {value!r}")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse memory size {value!r}; use bytes or e.g. '512MiB', '2GiB'")
+    size = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if size <= 0:
+        raise ValueError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: Optional[int] = None  # None: bounded only by the KV pool
+    policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
+    # A prefill chunk never takes more than this many tokens of a step (0 = no cap), so one long
+    # prompt cannot starve the decodes sharing the step.
+    long_prefill_token_threshold: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if (not self.enable_chunked_prefill and self.max_model_len is not None
+                and self.max_num_batched_tokens < self.max_model_len):
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) while enable_chunked_prefill is off: a long prompt could never "
+                "be scheduled. Raise max_num_batched_tokens, lower max_model_len or enable chunked prefill.")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    num_blocks: int = 0  # set by the engine from kv_cache_memory / num_gpu_blocks_override
+    enable_prefix_caching: bool = True
+    watermark: float = 0.0  # fraction of blocks kept free when admitting waiting requests
+    preemption_mode: str = "recompute"
+    swap_space: float = 0.0  # GiB of host memory for swap preemption
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks < 0:
+            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(
+                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r} "
+                "(swap preemption is not implemented yet)")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+
+    @property
+    def watermark_blocks(self) -> int:
+        return int(self.watermark * self.num_blocks)
+
+
+@dataclass
+class ModelConfig:
+    model: Optional[str]  # None: the embedded default model
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    served_model_name: Optional[str] = None
+
+
+@dataclass
+class EngineArgs:
+    """All engine knobs, named as in vLLM (`--max-num-batched-tokens` on the CLI)."""
+
+    model: Optional[str] = None
+    served_model_name: Optional[str] = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: int = 256
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    watermark: float = 0.0
+    swap_space: float = 0.0
+    num_gpu_blocks_override: Optional[int] = None
+    kv_cache_memory: Union[None, int, str] = None
+    disable_log_stats: bool = False
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    def create_engine_configs(
+        self, model_max_len: int, num_blocks: int
+    ) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+        """Resolve defaults against the model (its context length) and the KV pool size."""
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's context length ({model_max_len})")
+        capacity = num_blocks * self.block_size
+        if max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the KV cache can hold ({num_blocks} "
+                f"blocks x {self.block_size} = {capacity} tokens); raise kv_cache_memory / "
+                "num_gpu_blocks_override or lower max_model_len")
+        if self.max_num_batched_tokens is not None:
+            budget = self.max_num_batched_tokens
+        else:
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+        model = ModelConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
+                            served_model_name=self.served_model_name)
+        cache = CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
+                            enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark,
+                            preemption_mode=self.preemption_mode, swap_space=self.swap_space)
+        scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
+                                    max_model_len=max_model_len, policy=self.scheduling_policy,
+                                    enable_chunked_prefill=self.enable_chunked_prefill,
+                                    long_prefill_token_threshold=self.long_prefill_token_threshold)
+        return model, cache, scheduler
+
+    def kv_cache_bytes(self) -> Optional[int]:
+        return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
+

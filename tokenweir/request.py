@@ -1,0 +1,190 @@
+"""The request record shared by every layer: status, tokens, sampling parameters, timestamps.
+
+No torch here: the scheduler, the simulator and the router import this module.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle of a request. Everything from FINISHED_STOPPED on is terminal."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # recompute preemption: back in the waiting queue, blocks freed
+    SWAPPED = enum.auto()  # swap preemption: blocks copied to host memory
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+    FINISHED_IGNORED = enum.auto()  # the prompt can never fit (max_model_len or the KV pool)
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(str, enum.Enum):
+    """What users see (OpenAI's `finish_reason`)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    # vLLM reports an ignored (never-fitting) prompt as "length": it ran out of room.
+    RequestStatus.FINISHED_IGNORED: FinishReason.LENGTH,
+}
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output. Validated on construction (precise ValueErrors).
+
+    `top_k` 0 or -1 and `top_p` 1.0 and `min_p` 0.0 mean "off"; `temperature` 0 means greedy.
+    `max_tokens=None` lets the request run until EOS or `max_model_len`.
+    """
+
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    stop: Union[None, str, list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+    logprobs: Optional[int] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._validate()
+
+    def _validate(self) -> None:
+        def is_int(x: object) -> bool:
+            return isinstance(x, int) and not isinstance(x, bool)
+
+        def is_num(x: object) -> bool:
+            return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+                f"and max_tokens={self.max_tokens}")
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
+        if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
+            raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """The live record of one request. The scheduler mutates it; everyone else reads it.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache (prefix hits included);
+    `num_cached_tokens` is how many prompt tokens the first admission found in the prefix cache.
+    Times are whatever clock the caller passes in (`now=`); the scheduler never reads a clock.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0
+    priority: int = 0
+    eos_token_id: Optional[int] = None
+    cache_salt: Optional[str] = None
+    # Fields carried for the SLA policy and metrics (see DESIGN.md "Scheduling policies").
+    tenant: Optional[str] = None
+    deadline: Optional[float] = None  # absolute time by which the request should finish
+    ttft_slo: Optional[float] = None  # seconds
+    tpot_slo: Optional[float] = None  # seconds
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # -1 until the first admission looks the prefix up
+    num_preemptions: int = 0
+    stop_reason: Union[None, int, str] = None  # the stop token id or stop string that ended it
+    status_message: Optional[str] = None  # why it was ignored / failed
+    # Chained hashes of this request's full blocks, extended as tokens arrive (see kv_cache_manager).
+    block_hashes: list[int] = field(default_factory=list)
+    # Timestamps.
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    token_times: list[float] = field(default_factory=list)
+    finished_time: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt must contain at least one token")
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> Optional[FinishReason]:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token(self, token_id: int, now: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        self.token_times.append(now)
+        if self.first_token_time is None:
+            self.first_token_time = now
