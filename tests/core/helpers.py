@@ -83,10 +83,8 @@ class PagedFakeRunner:
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.state.pop(rid, None)
         for new in out.scheduled_new_reqs:
-            req = _RunnerRequest(list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
-            # A prefix-cache hit must hand over blocks that already hold exactly these tokens.
-            assert self._read(req, req.num_computed_tokens) == req.token_ids[:req.num_computed_tokens]
-            self.state[new.request_id] = req
+            self.state[new.request_id] = _RunnerRequest(
+                list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
         for cached in out.scheduled_cached_reqs:
             req = self.state[cached.request_id]
             assert req.num_computed_tokens == cached.num_computed_tokens
@@ -101,9 +99,11 @@ class PagedFakeRunner:
         for rid, n in out.num_scheduled_tokens.items():
             req = self.state[rid]
             req.num_computed_tokens += n
+            # "Attention" reads the whole context through the block table: prefix-cache hits
+            # must hold exactly this request's tokens.
+            context = self._read(req, req.num_computed_tokens)
+            assert context == req.token_ids[:req.num_computed_tokens]
             if req.num_computed_tokens == len(req.token_ids):
-                context = self._read(req, req.num_computed_tokens)
-                assert context == req.token_ids
                 token = self.token_fn(context)
                 req.token_ids.append(token)
                 sampled[rid] = [token]

@@ -13,6 +13,7 @@ def admit(kv, request, num_new=None):
     assert blocks is not None
     kv.record_prefix_lookup(request, num_hit)
     request.num_computed_tokens = num_hit + num_new
+    kv.cache_blocks(request)  # the step ran
     return hits, num_hit
 
 
@@ -108,6 +109,9 @@ def test_generated_tokens_fill_and_publish_blocks():
     a.append_output_token(4, now=0.0)  # 4 tokens: the decode step will fill block 0
     assert kv.allocate_slots(a, 1) == []
     b = make_request("b", [1, 2, 3, 4, 5])
+    assert kv.get_computed_blocks(b)[1] == 0  # not published before it is computed
+    a.num_computed_tokens += 1
+    kv.cache_blocks(a)
     assert kv.get_computed_blocks(b)[1] == 4
     kv.free(a)
 

@@ -142,19 +142,22 @@ class KVCacheManager:
             self.num_cached_blocks[request.request_id] = len(req_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
-        if self.enable_caching:
-            self._cache_full_blocks(request, req_blocks, num_total)
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, req_blocks: list[KVBlock], num_tokens: int) -> None:
-        """Publish blocks that are full once this step's tokens are computed. Publishing before
-        the forward pass is safe: K/V of a step are written before any attention reads them."""
-        num_full = num_tokens // self.block_size
-        start = self.num_cached_blocks[request.request_id]
+    def cache_blocks(self, request: Request) -> None:
+        """Publish the request's blocks that are full of computed tokens.
+
+        Called after a step ran, never at allocation: a request preempted later in the same
+        step would otherwise leave published blocks whose K/V nobody ever wrote.
+        """
+        if not self.enable_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        start = self.num_cached_blocks.get(request.request_id, num_full)
         if num_full <= start:
             return
-        self._update_block_hashes(request, num_tokens)
-        hashes = request.block_hashes
+        self._update_block_hashes(request, request.num_computed_tokens)
+        req_blocks, hashes = self.req_to_blocks[request.request_id], request.block_hashes
         for i in range(start, num_full):
             self.block_pool.cache_full_block(req_blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = num_full

@@ -321,6 +321,7 @@ class Scheduler:
             if request is None:
                 continue  # aborted after it was scheduled
             request.num_computed_tokens += num_tokens
+            self.kv_cache_manager.cache_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue
             sampled = sampled_token_ids.get(request_id)

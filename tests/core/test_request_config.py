@@ -1,0 +1,78 @@
+import pytest
+
+from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig, parse_size
+from tokenweir.request import Request, RequestStatus, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(max_tokens=0), "max_tokens must be an integer >= 1"),
+    (dict(max_tokens=2.5), "max_tokens must be an integer >= 1"),
+    (dict(min_tokens=-1), "min_tokens must be an integer >= 0"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens must be <= max_tokens"),
+    (dict(temperature=-0.1), "temperature must be a number >= 0"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-2), "top_k must be -1 or 0"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
+    (dict(stop=[""]), "stop must be a non-empty string"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of non-negative integers"),
+    (dict(seed="x"), "seed must be an integer"),
+    (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
+    (dict(n=2), "n must be 1"),
+])
+def test_sampling_params_validation(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalises_stop():
+    p = SamplingParams(stop="###", stop_token_ids=None, temperature=0)
+    assert p.stop == ["###"] and p.stop_token_ids == [] and p.greedy
+
+
+def test_request_needs_a_prompt_and_tracks_tokens():
+    with pytest.raises(ValueError, match="at least one token"):
+        Request("x", [])
+    r = Request("x", [1, 2])
+    r.append_output_token(3, now=1.5)
+    assert (r.num_tokens, r.all_token_ids, r.first_token_time) == (3, [1, 2, 3], 1.5)
+    assert r.status == RequestStatus.WAITING and r.finish_reason is None
+
+
+def test_chunking_off_needs_a_budget_of_max_model_len():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(512\) is smaller than max_model_len "
+                                         r"\(2048\) while enable_chunked_prefill is off"):
+        SchedulerConfig(max_num_batched_tokens=512, max_model_len=2048, enable_chunked_prefill=False)
+    SchedulerConfig(max_num_batched_tokens=512, max_model_len=2048, enable_chunked_prefill=True)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: SchedulerConfig(policy="lottery"), "scheduling_policy must be one of"),
+    (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs must be >= 1"),
+    (lambda: CacheConfig(watermark=1.0), r"watermark must be in \[0, 1\)"),
+    (lambda: CacheConfig(preemption_mode="teleport"), "preemption_mode must be one of"),
+    (lambda: CacheConfig(block_size=0), "block_size must be >= 1"),
+])
+def test_config_errors_name_the_setting(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_engine_args_resolve_against_model_and_pool():
+    model, cache, sched = EngineArgs(max_num_seqs=8).create_engine_configs(model_max_len=8192, num_blocks=1024)
+    assert sched.max_model_len == 8192 and sched.max_num_batched_tokens == 2048
+    assert cache.num_blocks == 1024 and model.model is None
+    with pytest.raises(ValueError, match=r"max_model_len \(8192\) is larger than the KV cache can hold"):
+        EngineArgs().create_engine_configs(model_max_len=8192, num_blocks=100)
+    with pytest.raises(ValueError, match=r"exceeds the model's context length \(2048\)"):
+        EngineArgs(max_model_len=4096).create_engine_configs(model_max_len=2048, num_blocks=1000)
+    _, _, sched = EngineArgs(enable_chunked_prefill=False, max_model_len=4096).create_engine_configs(
+        model_max_len=8192, num_blocks=1000)
+    assert sched.max_num_batched_tokens == 4096
+
+
+def test_parse_size():
+    assert parse_size("2GiB") == 2 * 1024**3 and parse_size("512MiB") == 512 * 1024**2
+    assert parse_size("1.5G") == 1_500_000_000 and parse_size(4096) == 4096
+    with pytest.raises(ValueError, match="cannot parse memory size"):
+        parse_size("lots")

