@@ -133,11 +133,13 @@ class EngineArgs:
         self, model_max_len: int, num_blocks: int
     ) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
         """Resolve defaults against the model (its context length) and the KV pool size."""
-        max_model_len = self.max_model_len or model_max_len
+        capacity = num_blocks * self.block_size
+        # Unset, max_model_len is the model's context, shrunk to what the pool holds (a small
+        # CPU pool should still serve); set explicitly, it must fit both.
+        max_model_len = self.max_model_len or min(model_max_len, capacity)
         if max_model_len > model_max_len:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's context length ({model_max_len})")
-        capacity = num_blocks * self.block_size
         if max_model_len > capacity:
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the KV cache can hold ({num_blocks} "

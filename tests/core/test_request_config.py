@@ -63,7 +63,9 @@ def test_engine_args_resolve_against_model_and_pool():
     assert sched.max_model_len == 8192 and sched.max_num_batched_tokens == 2048
     assert cache.num_blocks == 1024 and model.model is None
     with pytest.raises(ValueError, match=r"max_model_len \(8192\) is larger than the KV cache can hold"):
-        EngineArgs().create_engine_configs(model_max_len=8192, num_blocks=100)
+        EngineArgs(max_model_len=8192).create_engine_configs(model_max_len=8192, num_blocks=100)
+    _, _, sched = EngineArgs().create_engine_configs(model_max_len=8192, num_blocks=100)
+    assert sched.max_model_len == 1600  # unset: shrunk to the pool
     with pytest.raises(ValueError, match=r"exceeds the model's context length \(2048\)"):
         EngineArgs(max_model_len=4096).create_engine_configs(model_max_len=2048, num_blocks=1000)
     _, _, sched = EngineArgs(enable_chunked_prefill=False, max_model_len=4096).create_engine_configs(

@@ -133,8 +133,13 @@ class Scheduler:
         return ", ".join(parts)
 
     def abort_requests(self, request_ids: Iterable[str], now: float = 0.0) -> None:
-        """Finish requests as FINISHED_ABORTED in whatever state they are; unknown or already
-        finished ids are ignored (a client may abort a request that just completed)."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED, now)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, now: float = 0.0) -> None:
+        """Finish requests from outside the step (abort; a stop string matched on detokenized
+        text) in whatever state they are. Unknown or already finished ids are ignored: a client
+        may abort a request that has just completed."""
+        assert status.is_finished
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
@@ -143,7 +148,7 @@ class Scheduler:
                 self.running.remove(request)
             else:
                 self.waiting.remove(request)
-            self._finish(request, RequestStatus.FINISHED_ABORTED, now)
+            self._finish(request, status, now)
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
         """Terminal bookkeeping; the caller has already taken it out of running/waiting."""
@@ -296,6 +301,7 @@ class Scheduler:
             else:
                 cached_reqs.append(CachedRequestData(
                     rid, step.new_block_ids.get(rid, []), request.num_computed_tokens))
+        assert step.budget >= 0, "the token budget was overspent"
         finished, self._finished_req_ids = self._finished_req_ids, set()
         # A request preempted and re-admitted within one step is in both preempted_req_ids and
         # new_reqs: runners drop preempted state before taking in new requests.

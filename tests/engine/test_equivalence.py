@@ -1,0 +1,74 @@
+"""Greedy output equals transformers' greedy generate, token for token (fp32), whatever the
+batching, chunking, preemption or prefix-cache hits."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tokenweir import SamplingParams
+
+NUM_NEW = 10
+
+
+def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = []
+    for length in (1, 3, 7, 16, 17, 33, 60, 90):
+        prompts.append([rng.randrange(3, vocab) for _ in range(length)])
+    # Prompts sharing a 40-token prefix, for prefix-cache hits.
+    for tail in (2, 9, 21):
+        prompts.append(shared + [rng.randrange(3, vocab) for _ in range(tail)])
+    return prompts
+
+
+def hf_greedy(folder: str, prompts: list[list[int]], num_new: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=num_new, min_new_tokens=num_new, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+SCENARIOS = {
+    "batched": dict(num_gpu_blocks_override=256),
+    "chunked": dict(num_gpu_blocks_override=256, max_num_batched_tokens=16),
+    "preempted": dict(num_gpu_blocks_override=24, max_num_batched_tokens=64, block_size=8),
+    "prefix_hits": dict(num_gpu_blocks_override=256, max_num_seqs=2),
+}
+
+
+def check_scenario(make_llm, folder, prompts, expected, scenario):
+    llm = make_llm(folder, **SCENARIOS[scenario])
+    params = SamplingParams(max_tokens=NUM_NEW, min_tokens=NUM_NEW, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}) differs in scenario {scenario}"
+    stats = llm.get_stats()
+    if scenario == "preempted":
+        assert stats.num_preemptions > 0
+    if scenario == "prefix_hits":
+        assert stats.prefix_cache.hits > 0
+    if scenario == "chunked":
+        assert all(o.metrics.num_preemptions == 0 for o in outs)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_greedy_matches_transformers_on_tiny_models(make_llm, tiny_model, arch):
+    folder = tiny_model(arch)
+    from tests.model.tiny_models import VOCAB_SIZE
+
+    prompts = make_prompts(VOCAB_SIZE)
+    expected = hf_greedy(folder, prompts, NUM_NEW)
+    for scenario in SCENARIOS:
+        check_scenario(make_llm, folder, prompts, expected, scenario)

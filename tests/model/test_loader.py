@@ -1,0 +1,163 @@
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches
+from tokenweir.model.loader import (
+    arch_from_hf_config,
+    default_model_path,
+    ensure_hf_folder,
+    load_model,
+    resolve_dtype,
+)
+
+
+def test_default_model_path():
+    path = default_model_path()
+    assert path.endswith("SmolLM2-135M-Instruct.Q4_1.gguf") and os.path.isfile(path)
+
+
+@pytest.fixture(scope="module")
+def default_fp32():
+    return load_model(None, dtype="float32", device="cpu")
+
+
+def test_gguf_cached_once(default_fp32):
+    folder = ensure_hf_folder(default_model_path())
+    assert folder == default_fp32.path
+    weights = os.path.join(folder, "model.safetensors")
+    before = os.stat(weights).st_mtime_ns
+    assert ensure_hf_folder(default_model_path()) == folder
+    assert os.stat(weights).st_mtime_ns == before
+    assert {"config.json", "tokenizer.json"} <= set(os.listdir(folder))
+
+
+def test_default_model_matches_transformers(default_fp32):
+    from transformers import AutoModelForCausalLM
+
+    loaded = default_fp32
+    assert loaded.name == "SmolLM2-135M-Instruct"
+    assert loaded.arch.num_hidden_layers == 30 and loaded.arch.tie_word_embeddings
+    assert loaded.arch.rope_theta == 100000.0 and loaded.arch.eos_token_ids == (2,)
+    tok = loaded.tokenizer
+    assert tok.eos_token_id == 2 and tok.chat_template
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tok(prompt).input_ids
+
+    ref = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref_logits = ref(torch.tensor([ids])).logits[0, -1]
+
+    arch = loaded.arch
+    kv = allocate_kv_caches(arch, 16, 16, torch.float32, "cpu")
+    table = list(range(16))
+    seq = list(ids)
+    out: list[int] = []
+    for step in range(9):
+        new = seq if step == 0 else seq[-1:]
+        meta = AttentionMetadata.build([len(new)], [len(seq)], [table], 16, "cpu")
+        hidden = loaded.model(torch.tensor(new), torch.arange(len(seq) - len(new), len(seq)), meta, kv)
+        logits = loaded.model.compute_logits(hidden[-1:])[0]
+        if step == 0:
+            torch.testing.assert_close(logits, ref_logits, atol=1e-3, rtol=0)
+            assert logits.argmax() == ref_logits.argmax()
+        seq.append(int(logits.argmax()))
+        out.append(seq[-1])
+    assert tok.decode(out).startswith("The capital of France is Paris")
+
+
+def test_tiny_folder_name_and_tokenizer(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    loaded = load_model(folder, dtype="float32", device="cpu")
+    assert loaded.name == os.path.basename(folder)
+    assert loaded.dtype == torch.float32 and loaded.device.type == "cpu"
+    assert loaded.tokenizer.eos_token_id == 2
+    assert "assistant" in loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hello"}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def test_missing_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        load_model(str(tmp_path / "does-not-exist"))
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(str(tmp_path))
+
+
+def test_unsupported_architecture(tmp_path, tiny_model_dir):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
+        load_model(str(folder))
+
+
+def test_no_safetensors(tmp_path, tiny_model_dir):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(str(folder))
+
+
+def test_unsupported_gguf_architecture(tmp_path, monkeypatch):
+    import gguf
+    import numpy as np
+
+    monkeypatch.setenv("TOKENWEIR_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'gpt2' is not supported"):
+        load_model(str(path))
+
+
+def _cfg(**extra):
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
+                num_hidden_layers=1, num_attention_heads=2, eos_token_id=2)
+    return {**base, **extra}
+
+
+def test_rope_config_forms():
+    # transformers 5 form
+    arch = arch_from_hf_config(_cfg(rope_parameters={"rope_type": "default", "rope_theta": 5e5}))
+    assert arch.rope_theta == 5e5 and arch.rope_scaling is None and arch.num_key_value_heads == 2
+    # legacy form with the old "type" key
+    arch = arch_from_hf_config(_cfg(rope_theta=1e4, rope_scaling={"type": "linear", "factor": 4.0}))
+    assert arch.rope_theta == 1e4 and arch.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+        arch_from_hf_config(_cfg(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    # Llama 3 instruct: end-of-turn ids from generation_config.json join config's eos
+    arch = arch_from_hf_config(_cfg(eos_token_id=[2, 5]), {"eos_token_id": [5, 7]})
+    assert arch.eos_token_ids == (2, 5, 7) and arch.eos_token_id == 2
+    # Mistral's sliding window caps the usable context
+    arch = arch_from_hf_config(_cfg(architectures=["MistralForCausalLM"], sliding_window=64, max_position_embeddings=512))
+    assert arch.max_model_len == 64
+
+
+def test_resolve_dtype():
+    cpu = torch.device("cpu")
+    assert resolve_dtype("bf16", cpu) is torch.bfloat16
+    assert resolve_dtype("fp32", cpu) is torch.float32
+    assert resolve_dtype("half", cpu) is torch.float16
+    flags = open("/proc/cpuinfo").read()
+    fast = "avx512_bf16" in flags or "amx_bf16" in flags
+    assert resolve_dtype("auto", cpu) is (torch.bfloat16 if fast else torch.float32)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        resolve_dtype("int3", cpu)

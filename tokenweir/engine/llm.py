@@ -1,0 +1,99 @@
+"""The offline API: `LLM(...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from tokenweir.config import EngineArgs
+from tokenweir.core.scheduler import SchedulerStats
+from tokenweir.engine.core import EngineCore
+from tokenweir.engine.output import RequestOutput
+from tokenweir.request import SamplingParams
+
+PromptType = Union[str, dict[str, list[int]]]
+Message = dict[str, str]
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, **engine_kwargs: Any) -> None:
+        unknown = set(engine_kwargs) - set(EngineArgs.field_names())
+        if unknown:
+            raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
+        self.engine = EngineCore(EngineArgs(model=model, **engine_kwargs))
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
+                 sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+                 priority: Optional[Sequence[int]] = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts (strings or {"prompt_token_ids": [...]}) to completion, in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        return self._run([self._prompt_of(p) for p in prompts], sampling_params, priority, use_tqdm)
+
+    def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"}) or a list of them, through the model's
+        chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.engine.tokenizer.apply_chat_template(list(c), tokenize=False,
+                                                             add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        # The template already carries BOS where the model wants one.
+        token_ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        return self._run(list(zip(prompts, token_ids)), sampling_params, None, use_tqdm)
+
+    @staticmethod
+    def _prompt_of(prompt: PromptType) -> tuple[Optional[str], Union[str, list[int]]]:
+        if isinstance(prompt, str):
+            return prompt, prompt
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return None, list(prompt["prompt_token_ids"])
+        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def _run(self, prompts: list[tuple[Optional[str], Union[str, list[int]]]],
+             sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]],
+             priority: Optional[Sequence[int]], use_tqdm: bool) -> list[RequestOutput]:
+        n = len(prompts)
+        if sampling_params is None:
+            params = [SamplingParams()] * n
+        elif isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * n
+        else:
+            params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        priorities = list(priority) if priority is not None else [0] * n
+        if len(priorities) != n:
+            raise ValueError(f"got {len(priorities)} priorities for {n} prompts")
+
+        engine = self.engine
+        ids = [str(next(self._counter)) for _ in range(n)]
+        try:
+            for rid, (text, prompt), p, prio in zip(ids, prompts, params, priorities):
+                engine.add_request(rid, prompt, p, priority=prio, prompt_text=text)
+        except ValueError:
+            engine.abort_requests(ids)  # nothing half-submitted stays behind
+            raise
+
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=n, desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(finished) < n:
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update(1)
+        return [finished[rid] for rid in ids]
+
+    def get_stats(self) -> SchedulerStats:
+        return self.engine.get_stats()
+
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()

@@ -1,0 +1,147 @@
+"""From token ids to what users read: incremental detokenization, stop strings, RequestOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from tokenweir.request import Request
+
+# Prompt tokens decoded together with the first output tokens, so that a tokenizer which
+# renders a leading space depending on the previous token (SentencePiece, byte-level BPE)
+# produces the same text as decoding the whole sequence.
+_CONTEXT_TOKENS = 5
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float]
+    first_token_time: Optional[float]
+    finished_time: Optional[float]
+    num_preemptions: int
+    num_cached_tokens: int
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    stop_reason: Union[None, int, str] = None  # the stop string or stop token id that matched
+    logprobs: Optional[list[dict[int, float]]] = None  # per token: {token id: logprob}, sampled first
+    cumulative_logprob: Optional[float] = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+
+
+@dataclass
+class OutputState:
+    """Per-request text state. `text` is everything decoded so far; `num_emitted_chars` how much
+    of it may be shown (the rest could still turn out to be the start of a stop string)."""
+
+    request: Request
+    prompt: Optional[str]
+    prefix_offset: int
+    read_offset: int
+    text: str = ""
+    num_emitted_chars: int = 0
+    logprobs: Optional[list[dict[int, float]]] = None
+    cumulative_logprob: float = 0.0
+    stop_reason: Union[None, int, str] = None
+    stopped_by_string: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def new_state(self, request: Request, prompt: Optional[str]) -> OutputState:
+        n = request.num_prompt_tokens
+        state = OutputState(request, prompt, prefix_offset=max(0, n - _CONTEXT_TOKENS), read_offset=n)
+        if request.sampling_params.logprobs is not None:
+            state.logprobs = []
+        return state
+
+    def _decode(self, token_ids: list[int], skip_special: bool) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
+
+    def process_tokens(self, state: OutputState, num_new_tokens: int,
+                       logprobs: Optional[tuple[float, list[tuple[int, float]]]] = None) -> bool:
+        """Append the request's newest tokens to its text. Returns True if a stop string
+        matched (the text is then cut there and the caller must finish the request)."""
+        request = state.request
+        params = request.sampling_params
+        if logprobs is not None and state.logprobs is not None:
+            sampled_lp, top = logprobs
+            token = request.output_token_ids[-1]
+            entry = {token: sampled_lp}
+            entry.update((t, lp) for t, lp in top if t not in entry)
+            state.logprobs.append(entry)
+            state.cumulative_logprob += sampled_lp
+        if num_new_tokens == 0:
+            return False
+        all_ids = request.all_token_ids
+        skip = params.skip_special_tokens
+        # Decode a sliding window and keep only text past the part decoded before; hold back
+        # text ending in U+FFFD, an incomplete UTF-8 sequence whose next byte is in the next token.
+        prefix_text = self._decode(all_ids[state.prefix_offset:state.read_offset], skip)
+        full_text = self._decode(all_ids[state.prefix_offset:], skip)
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            new_text = full_text[len(prefix_text):]
+            state.prefix_offset, state.read_offset = state.read_offset, len(all_ids)
+        else:
+            new_text = ""
+        if request.is_finished and full_text.endswith("\ufffd") and len(full_text) > len(prefix_text):
+            new_text = full_text[len(prefix_text):]  # the stream ended: flush what is there
+        if not new_text:
+            return False
+        start = max(0, len(state.text) - max((len(s) for s in params.stop), default=0) + 1)
+        state.text += new_text
+        if params.stop:
+            for stop in params.stop:
+                idx = state.text.find(stop, start)
+                if idx != -1:
+                    end = idx + len(stop) if params.include_stop_str_in_output else idx
+                    state.text = state.text[:end]
+                    state.stop_reason = stop
+                    state.stopped_by_string = True
+                    return True
+        return False
+
+    def emittable_text(self, state: OutputState) -> str:
+        """Text safe to show now: while running, hold back the last len(longest stop) - 1
+        characters, which could be the beginning of a stop string."""
+        stops = state.request.sampling_params.stop
+        if state.request.is_finished or not stops:
+            return state.text
+        hold = max(len(s) for s in stops) - 1
+        return state.text[:max(state.num_emitted_chars, len(state.text) - hold)]
+
+    def make_output(self, state: OutputState) -> RequestOutput:
+        request = state.request
+        text = self.emittable_text(state)
+        state.num_emitted_chars = len(text)
+        finish_reason = request.finish_reason
+        stop_reason = state.stop_reason if state.stopped_by_string else request.stop_reason
+        completion = CompletionOutput(
+            index=0, text=text, token_ids=list(request.output_token_ids),
+            finish_reason=str(finish_reason) if finish_reason is not None else None,
+            stop_reason=stop_reason, logprobs=state.logprobs,
+            cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None)
+        metrics = RequestMetrics(
+            arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,
+            first_token_time=request.first_token_time, finished_time=request.finished_time,
+            num_preemptions=request.num_preemptions, num_cached_tokens=max(0, request.num_cached_tokens))
+        return RequestOutput(request_id=request.request_id, prompt=state.prompt,
+                             prompt_token_ids=list(request.prompt_token_ids), outputs=[completion],
+                             finished=request.is_finished, metrics=metrics)
