@@ -22,7 +22,17 @@ class LLM:
         unknown = set(engine_kwargs) - set(EngineArgs.field_names())
         if unknown:
             raise ValueError(f"unknown engine arguments: {sorted(unknown)}")
-        self.engine = EngineCore(EngineArgs(model=model, **engine_kwargs))
+        self._init(EngineCore(EngineArgs(model=model, **engine_kwargs)))
+
+    @classmethod
+    def from_engine(cls, engine: EngineCore) -> "LLM":
+        """Wrap an existing engine (e.g. one sharing already-loaded weights)."""
+        llm = cls.__new__(cls)
+        llm._init(engine)
+        return llm
+
+    def _init(self, engine: EngineCore) -> None:
+        self.engine = engine
         self._counter = itertools.count()
 
     def get_tokenizer(self) -> Any:

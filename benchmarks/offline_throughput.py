@@ -1,0 +1,175 @@
+"""Offline throughput on the default model: tokenweir vs transformers, side by side in one run.
+
+Workload: N requests whose prompt/output lengths are sampled (seeded) from the Azure LLM
+inference trace 2023 (conversation; Azure/AzurePublicDataset, CC-BY 4.0), capped to fit the
+model and a 2-core CPU. Prompts are random token ids of exactly those lengths; EOS is ignored
+so every request produces exactly its output length ("useful tokens").
+
+Systems, all bf16 (or --dtype):
+  - tokenweir `LLM.generate` (continuous batching, paged KV)
+  - transformers static batching: `generate` on left-padded batches of --static-batch, each batch
+    running to its longest output (tokens past a request's own length are not useful)
+  - transformers continuous batching (`init_continuous_batching` manager, per-request lengths)
+
+Writes docs/benchmarks/offline_throughput.md and .json.
+
+    .venv/bin/python benchmarks/offline_throughput.py [--num-requests 64] [--systems tokenweir,hf_static,hf_cb]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import platform
+import random
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACE = ROOT.parent / "shared" / "data" / "azure_llm_2023_conv.csv"
+OUT = ROOT / "docs" / "benchmarks"
+
+
+def sample_workload(n: int, max_prompt: int, max_output: int, vocab: int, seed: int) -> list[tuple[list[int], int]]:
+    with open(TRACE) as f:
+        rows = [(int(r["num_prefill_tokens"]), int(r["num_decode_tokens"])) for r in csv.DictReader(f)]
+    rng = random.Random(seed)
+    picked = rng.sample(rows, n)
+    # Token ids above the special tokens (SmolLM2 keeps its specials in the first few ids).
+    return [([rng.randrange(100, vocab) for _ in range(min(p, max_prompt))], max(1, min(o, max_output)))
+            for p, o in picked]
+
+
+def run_tokenweir(workload, dtype: str, args) -> dict:
+    from tokenweir import LLM, SamplingParams
+
+    llm = LLM(None, dtype=dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    warm = [{"prompt_token_ids": workload[0][0][:32]}]
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    prompts = [{"prompt_token_ids": p} for p, _ in workload]
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in workload]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    useful = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert useful == sum(o for _, o in workload)
+    stats = llm.get_stats()
+    return {"seconds": elapsed, "useful_tokens": useful, "num_preemptions": stats.num_preemptions}
+
+
+def _hf_model(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    from tokenweir.model.loader import default_model_path, ensure_hf_folder
+
+    return AutoModelForCausalLM.from_pretrained(ensure_hf_folder(default_model_path()), dtype=dtype).eval()
+
+
+def run_hf_static(workload, dtype: torch.dtype, batch_size: int) -> dict:
+    model = _hf_model(dtype)
+    pad = 2
+    useful = 0
+    start = None
+    # Warm-up on a small batch, outside the timed region.
+    with torch.no_grad():
+        model.generate(torch.tensor([workload[0][0][:16]]), max_new_tokens=2, do_sample=False, pad_token_id=pad)
+        start = time.perf_counter()
+        for i in range(0, len(workload), batch_size):
+            batch = workload[i:i + batch_size]
+            width = max(len(p) for p, _ in batch)
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p, _ in batch])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
+            longest = max(o for _, o in batch)
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=longest,
+                           min_new_tokens=longest, pad_token_id=pad)
+            useful += sum(o for _, o in batch)
+    return {"seconds": time.perf_counter() - start, "useful_tokens": useful}
+
+
+def run_hf_continuous(workload, dtype: torch.dtype) -> dict:
+    from transformers import GenerationConfig
+
+    model = _hf_model(dtype)
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(o for _, o in workload), eos_token_id=None,
+                              pad_token_id=2)
+    manager = model.init_continuous_batching(generation_config=config)
+    manager.start()
+    try:
+        start = time.perf_counter()
+        for i, (prompt, out_len) in enumerate(workload):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=out_len)
+        useful = 0
+        for _ in workload:
+            result = manager.get_result(timeout=600)
+            useful += len(result.generated_tokens)
+        elapsed = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    return {"seconds": elapsed, "useful_tokens": useful}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--max-output", type=int, default=128)
+    parser.add_argument("--static-batch", type=int, default=32)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--systems", default="tokenweir,hf_static,hf_cb")
+    args = parser.parse_args()
+
+    torch_dtype = getattr(torch, args.dtype)
+    workload = sample_workload(args.num_requests, args.max_prompt, args.max_output, 49152, args.seed)
+    runners = {
+        "tokenweir": lambda: run_tokenweir(workload, args.dtype, args),
+        "hf_static": lambda: run_hf_static(workload, torch_dtype, args.static_batch),
+        "hf_cb": lambda: run_hf_continuous(workload, torch_dtype),
+    }
+    names = {"tokenweir": "tokenweir LLM.generate",
+             "hf_static": f"transformers generate, static batches of {args.static_batch}",
+             "hf_cb": "transformers continuous batching"}
+    results = {}
+    for system in args.systems.split(","):
+        r = runners[system]()
+        r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
+        results[system] = r
+        print(f"{names[system]}: {r['useful_tokens']} tokens in {r['seconds']:.1f} s = {r['tokens_per_s']:.1f} tok/s",
+              flush=True)
+
+    machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, threads {torch.get_num_threads()}"
+    command = "`.venv/bin/python benchmarks/offline_throughput.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()) + "`"
+    prompt_tokens = sum(len(p) for p, _ in workload)
+    lines = ["# Offline throughput", "",
+             f"{args.num_requests} requests, lengths sampled (seed {args.seed}) from the Azure LLM inference trace "
+             f"2023 (conversation, CC-BY 4.0), capped at {args.max_prompt} prompt / {args.max_output} output tokens: "
+             f"{prompt_tokens} prompt tokens, {sum(o for _, o in workload)} useful output tokens. Default model "
+             f"(SmolLM2-135M-Instruct), {args.dtype}, EOS ignored. Useful output tokens per second; the static "
+             "batch pays for padding and for running every batch to its longest output.", "",
+             f"Command: {command}  ", f"Machine: {machine} (shared, noisy: compare ratios within one run).", "",
+             "| system | seconds | useful tok/s | vs static batch |", "|---|---|---|---|"]
+    base = results.get("hf_static", {}).get("tokens_per_s")
+    for system, r in results.items():
+        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        lines.append(f"| {names[system]} | {r['seconds']:.1f} | {r['tokens_per_s']:.1f} | {ratio} |")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "offline_throughput.json").write_text(json.dumps(
+        {"args": vars(args), "machine": machine, "results": results}, indent=2))
+    table = "\n".join(lines) + "\n"
+    path = OUT / "offline_throughput.md"
+    # Keep any hand-written analysis below the generated table.
+    marker = "\n## Where the time goes"
+    tail = path.read_text().split(marker, 1)[1] if path.exists() and marker in path.read_text() else None
+    path.write_text(table + (marker + tail if tail else ""))
+
+
+if __name__ == "__main__":
+    main()

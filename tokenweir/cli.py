@@ -1,0 +1,118 @@
+"""`tokenweir serve | generate | bench serve`. Engine flags use vLLM's names (--max-num-seqs)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any, Optional, Sequence
+
+from tokenweir.config import EngineArgs
+
+_HELP = {
+    "model": "HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)",
+    "served_model_name": "model name in the API (default: the folder or file name)",
+    "dtype": "auto | float32 | bfloat16 | float16 (auto: bf16 where the CPU runs it fast)",
+    "device": "auto | cpu | cuda",
+    "max_model_len": "context length per request (default: the model's, capped to the KV pool)",
+    "max_num_batched_tokens": "token budget of one step (default 2048)",
+    "max_num_seqs": "maximum number of running requests",
+    "block_size": "tokens per KV block",
+    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+    "enable_chunked_prefill": "split long prompts across steps",
+    "long_prefill_token_threshold": "cap on one prefill chunk's tokens per step (0 = off)",
+    "scheduling_policy": "fcfs | priority",
+    "preemption_mode": "recompute",
+    "watermark": "fraction of KV blocks kept free when admitting new requests",
+    "swap_space": "GiB of host memory for swap preemption",
+    "num_gpu_blocks_override": "number of KV blocks (overrides kv_cache_memory)",
+    "kv_cache_memory": "KV cache size, e.g. 2GiB (CPU default 2GiB)",
+    "disable_log_stats": "do not log periodic engine stats",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineArgs field, derived from the dataclass so the two cannot drift."""
+    defaults = EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        help_text = _HELP.get(f.name, "")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif f.name in ("kv_cache_memory", "model", "served_model_name", "dtype", "device",
+                        "scheduling_policy", "preemption_mode"):
+            parser.add_argument(flag, type=str, default=default, help=help_text)
+        elif isinstance(default, float):
+            parser.add_argument(flag, type=float, default=default, help=help_text)
+        else:
+            parser.add_argument(flag, type=int, default=default, help=help_text)
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()})
+
+
+def _generate(ns: argparse.Namespace) -> int:
+    from tokenweir.engine.llm import LLM
+    from tokenweir.request import SamplingParams
+
+    args = engine_args_from(ns)
+    llm = LLM(**dataclasses.asdict(args))
+    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
+                            seed=ns.seed_sampling)
+    if ns.chat:
+        outputs = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(ns.prompt, params, use_tqdm=False)
+    print(outputs[0].outputs[0].text)
+    return 0
+
+
+def _serve(ns: argparse.Namespace) -> int:
+    from tokenweir.server.openai_api import run_server
+
+    run_server(engine_args_from(ns), ns)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenweir", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="print one completion")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed-sampling", type=int, default=None, help="sampling seed")
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                     help="wrap the prompt in the model's chat template (default on)")
+    add_engine_args(gen)
+    gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="start the OpenAI-compatible server")
+    add_engine_args(serve)
+    from tokenweir.server.args import add_server_args
+
+    add_server_args(serve)
+    serve.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
+    from tokenweir.bench import serve as bench_serve
+
+    bench_serve_parser = bench.add_parser("serve", help="load-test an OpenAI-compatible server")
+    bench_serve.add_cli_args(bench_serve_parser)
+    bench_serve_parser.set_defaults(func=lambda ns: (bench_serve.main(ns), 0)[1])
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Any:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    ns = build_parser().parse_args(argv)
+    return ns.func(ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Flags of `tokenweir serve` beyond the engine's own (those come from EngineArgs)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--max-waiting-requests", type=_positive_int, default=None,
+                        help="answer 429 with Retry-After once this many requests wait")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=("critical", "error", "warning", "info", "debug", "trace"))
+    parser.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="do not log one line per HTTP request")
