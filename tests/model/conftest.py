@@ -3,7 +3,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from tiny_models import ARCHS, make_tiny_model
+
+from tests.model.tiny_models import ARCHS, make_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -129,8 +129,15 @@ def test_unsupported_gguf_architecture(tmp_path, monkeypatch):
 
 
 def _cfg(**extra):
-    base = dict(architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
-                num_hidden_layers=1, num_attention_heads=2, eos_token_id=2)
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        eos_token_id=2,
+    )
     return {**base, **extra}
 
 
@@ -147,7 +154,9 @@ def test_rope_config_forms():
     arch = arch_from_hf_config(_cfg(eos_token_id=[2, 5]), {"eos_token_id": [5, 7]})
     assert arch.eos_token_ids == (2, 5, 7) and arch.eos_token_id == 2
     # Mistral's sliding window caps the usable context
-    arch = arch_from_hf_config(_cfg(architectures=["MistralForCausalLM"], sliding_window=64, max_position_embeddings=512))
+    arch = arch_from_hf_config(
+        _cfg(architectures=["MistralForCausalLM"], sliding_window=64, max_position_embeddings=512)
+    )
     assert arch.max_model_len == 64
 
 

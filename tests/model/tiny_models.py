@@ -74,8 +74,13 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         cfg = MistralConfig(**{**common, "tie_word_embeddings": False, "sliding_window": None, **overrides})
     elif arch == "llama3":
         # head_dim 16 and an original context of 64: all three wavelength bands occur.
-        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 64}
+        scaling = {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        }
         cfg = LlamaConfig(**{**common, "rope_scaling": scaling, **overrides})
     elif arch == "linear":
         cfg = LlamaConfig(**{**common, "rope_scaling": {"rope_type": "linear", "factor": 2.0}, **overrides})

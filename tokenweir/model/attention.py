@@ -67,10 +67,6 @@ class AttentionMetadata:
     # the query's dtype, and the dtype is a property of the model, not of the step.
     _float_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return self.slot_mapping.shape[0]
-
     @classmethod
     def build(
         cls,
@@ -80,8 +76,8 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        if not (len(query_lens) == len(seq_lens) == len(block_tables)):
-            raise ValueError("query_lens, seq_lens and block_tables must have one entry per request")
+        if not query_lens or not (len(query_lens) == len(seq_lens) == len(block_tables)):
+            raise ValueError("query_lens, seq_lens and block_tables need one entry per request (at least one)")
         slots: list[int] = []
         starts = [0]
         decode_rows: list[int] = []
@@ -150,8 +146,10 @@ def _decode_batch(
         return None
     token_idx = [starts[r] for r in rows]
     contiguous = token_idx == list(range(token_idx[0], token_idx[0] + len(token_idx)))
-    tokens = slice(token_idx[0], token_idx[0] + len(token_idx)) if contiguous else torch.tensor(
-        token_idx, dtype=torch.int64, device=device
+    tokens = (
+        slice(token_idx[0], token_idx[0] + len(token_idx))
+        if contiguous
+        else torch.tensor(token_idx, dtype=torch.int64, device=device)
     )
     lens = [seq_lens[r] for r in rows]
     max_len = max(lens)

@@ -218,6 +218,8 @@ class LlamaForCausalLM(nn.Module):
 
         # Tied checkpoints may still carry lm_head.weight; old ones carry the RoPE table.
         ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
-        unknown = [n for n in state_dict if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")]
+        unknown = [
+            n for n in state_dict if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
+        ]
         if unknown:
             raise ValueError(f"unexpected weights in the checkpoint: {sorted(unknown)[:8]}")

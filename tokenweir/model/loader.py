@@ -82,7 +82,7 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """"auto": bf16 on CUDA and on CPUs with native bf16 dot products, else fp32."""
+    """ "auto": bf16 on CUDA and on CPUs with native bf16 dot products, else fp32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -107,7 +107,9 @@ def _rope_settings(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, A
     theta = cfg.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(
+            f"{source}: unsupported rope type {rope_type!r}; supported: {', '.join(_SUPPORTED_ROPE_TYPES)}"
+        )
     if rope_type == "default":
         return float(theta), None
     needed = ["factor"]
@@ -125,7 +127,9 @@ def _as_ids(value: Any) -> list[int]:
     return [int(v) for v in value] if isinstance(value, list) else [int(value)]
 
 
-def arch_from_hf_config(cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None, source: str = "config.json") -> ModelArchConfig:
+def arch_from_hf_config(
+    cfg: dict[str, Any], generation_cfg: dict[str, Any] | None = None, source: str = "config.json"
+) -> ModelArchConfig:
     archs = cfg.get("architectures") or []
     supported = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
     if not supported:
@@ -253,7 +257,8 @@ def ensure_hf_folder(gguf_path: str) -> str:
     gguf_arch = field.contents() if field is not None else None
     if gguf_arch not in _GGUF_ARCHITECTURES:
         raise ValueError(
-            f"{gguf_path}: GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(_GGUF_ARCHITECTURES)}"
+            f"{gguf_path}: GGUF architecture {gguf_arch!r} is not supported; "
+            f"supported: {', '.join(_GGUF_ARCHITECTURES)}"
         )
     folder, name = os.path.split(gguf_path)
     # transformers reads the metadata and the tokenizer (the parts with many special cases);
@@ -290,7 +295,9 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.load(f)
 
 
-def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto") -> LoadedModel:
+def load_model(
+    model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
+) -> LoadedModel:
     """Load `model` (HF folder, GGUF file, or None for the default SmolLM2-135M-Instruct)."""
     if model is None:
         gguf_path, name = default_model_path(), DEFAULT_MODEL_NAME
@@ -308,7 +315,9 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     if not config_path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder)")
     gen_path = folder / "generation_config.json"
-    arch = arch_from_hf_config(_read_json(config_path), _read_json(gen_path) if gen_path.is_file() else None, str(config_path))
+    arch = arch_from_hf_config(
+        _read_json(config_path), _read_json(gen_path) if gen_path.is_file() else None, str(config_path)
+    )
     weight_files = sorted(folder.glob("*.safetensors"))
     if not weight_files:
         raise FileNotFoundError(f"{folder}: no *.safetensors weight files")
@@ -327,4 +336,6 @@ def load_model(model: str | None = None, dtype: str | torch.dtype = "auto", devi
     net.load_weights(state)
     net.eval()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
-    return LoadedModel(model=net, arch=arch, tokenizer=tokenizer, dtype=torch_dtype, device=dev, name=name, path=str(folder))
+    return LoadedModel(
+        model=net, arch=arch, tokenizer=tokenizer, dtype=torch_dtype, device=dev, name=name, path=str(folder)
+    )

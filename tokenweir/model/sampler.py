@@ -188,9 +188,7 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     return picked.clamp_(max=probs.shape[-1] - 1)
 
 
-def _logprobs(
-    raw: torch.Tensor | None, tokens: torch.Tensor, wanted: list[int | None]
-) -> dict[str, list]:
+def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, wanted: list[int | None]) -> dict[str, list]:
     n = len(wanted)
     if raw is None:
         return {"logprobs": [None] * n, "top_logprobs": [None] * n}
