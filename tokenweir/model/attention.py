@@ -18,6 +18,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from tokenweir.model import kernels
+from tokenweir.model.kernels import decode_kernel_available
+
 if TYPE_CHECKING:
     from tokenweir.model.llama import ModelArchConfig
 
@@ -36,6 +39,10 @@ class DecodeBatch:
     max_seq_len: int
     # True where a key position lies inside the request's context, [num_decodes, 1, 1, S].
     key_mask: torch.Tensor
+    # For the C kernel, which reads the cache through the tables directly: int32 [n, num_blocks]
+    # and int32 [n].
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
 
 
 @dataclass
@@ -159,13 +166,16 @@ def _decode_batch(
     for r in rows:
         table = block_tables[r][:nblocks]
         flat += table + [0] * (nblocks - len(table))
-    key_mask = torch.arange(max_len, device=device)[None, :] < torch.tensor(lens, device=device)[:, None]
+    lens_tensor = torch.tensor(lens, dtype=torch.int32, device=device)
+    key_mask = torch.arange(max_len, device=device)[None, :] < lens_tensor[:, None]
     return DecodeBatch(
         tokens=tokens,
         block_ids=torch.tensor(flat, dtype=torch.int64, device=device),
         num_blocks=nblocks,
         max_seq_len=max_len,
         key_mask=key_mask[:, None, None, :],
+        block_tables=torch.tensor(flat, dtype=torch.int32, device=device).view(len(rows), nblocks),
+        seq_lens=lens_tensor,
     )
 
 
@@ -211,6 +221,10 @@ def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch, meta: AttentionMetadata
 ) -> torch.Tensor:
     num_seqs, num_heads, d = q.shape
+    if decode_kernel_available(q.device, q.dtype):
+        out = kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], decode.block_tables,
+                                             decode.seq_lens, d**-0.5)
+        return out.view(num_seqs, num_heads * d)
     kvh = kv_cache.shape[3]
     # GQA without repeating K/V: the query heads sharing a KV head become that head's rows
     # (HF maps query head h to KV head h // group, so a plain view groups them right). All

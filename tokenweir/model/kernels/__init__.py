@@ -1,0 +1,98 @@
+"""Small C kernels for the CPU, compiled on first use with the system C compiler and loaded with
+ctypes (no torch headers, so a build takes about a second). If no compiler is available, or
+`TOKENWEIR_DISABLE_KERNELS=1`, callers fall back to the pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+logger = logging.getLogger("tokenweir")
+
+_SOURCE = Path(__file__).with_name("paged_attention.c")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-pthread"]
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _cpu_signature() -> str:
+    # -march=native code must not be reused on a different CPU: key the build by its flags.
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    root = Path(os.environ.get("TOKENWEIR_CACHE_DIR", Path.home() / ".cache" / "tokenweir")) / "kernels"
+    target = root / f"paged_attention-{key}.so"
+    if target.exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"], check=True,
+                       capture_output=True, text=True)
+        os.replace(built, target)  # atomic: concurrent builders never load a half-written file
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> Optional[ctypes.CDLL]:
+    if os.environ.get("TOKENWEIR_DISABLE_KERNELS") == "1":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: using the slower pure-torch decode attention")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        logger.warning("building the C attention kernel failed (%s): using pure torch", detail.strip()[:500])
+        return None
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    return lib
+
+
+def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in _DTYPES and _library() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [S, H, d] (one token per sequence) attending over its paged context -> [S, H, d].
+
+    k_cache / v_cache: [num_blocks, block_size, kv_heads, d]; block_tables int32 [S, max_blocks];
+    seq_lens int32 [S]. All must be contiguous CPU tensors of one dtype (fp32 or bf16).
+    """
+    lib = _library()
+    assert lib is not None
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
+        out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
+        scale, _DTYPES[q.dtype], torch.get_num_threads())
+    return out
