@@ -4,7 +4,6 @@ transformers' greedy generate on the same (converted) weights in fp32, in every 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tokenweir import SamplingParams
 from tokenweir.config import EngineArgs
@@ -12,6 +11,7 @@ from tokenweir.engine.core import EngineCore
 from tokenweir.engine.llm import LLM
 from tokenweir.model.loader import load_model
 from tests.core.helpers import assert_no_leaks
+from tests.hf_reference import hf_greedy
 
 NUM_NEW = 12
 SYSTEM = ("You are a helpful assistant who answers questions about geography, history and science "
@@ -50,17 +50,7 @@ def prompt_ids(default_model):
 
 @pytest.fixture(scope="module")
 def hf_reference(default_model, prompt_ids):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(default_model.path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for ids in prompt_ids:
-            t = torch.tensor([ids])
-            out = model.generate(t, attention_mask=torch.ones_like(t), do_sample=False,
-                                 max_new_tokens=NUM_NEW, min_new_tokens=NUM_NEW, pad_token_id=2)
-            outs.append(out[0, len(ids):].tolist())
-    return outs
+    return hf_greedy(default_model.path, prompt_ids, NUM_NEW, pad_token_id=2)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

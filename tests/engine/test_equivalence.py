@@ -6,9 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from tokenweir import SamplingParams
+from tests.hf_reference import hf_greedy
 
 NUM_NEW = 10
 
@@ -23,20 +23,6 @@ def make_prompts(vocab: int, seed: int = 0) -> list[list[int]]:
     for tail in (2, 9, 21):
         prompts.append(shared + [rng.randrange(3, vocab) for _ in range(tail)])
     return prompts
-
-
-def hf_greedy(folder: str, prompts: list[list[int]], num_new: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    outputs = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=num_new, min_new_tokens=num_new, pad_token_id=0)
-            outputs.append(out[0, len(prompt):].tolist())
-    return outputs
 
 
 SCENARIOS = {
@@ -64,11 +50,11 @@ def check_scenario(make_llm, folder, prompts, expected, scenario):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_greedy_matches_transformers_on_tiny_models(make_llm, tiny_model, arch):
-    folder = tiny_model(arch)
+def test_greedy_matches_transformers_on_tiny_models(make_llm, tiny_model_dir, arch):
+    folder = tiny_model_dir(arch)
     from tests.model.tiny_models import VOCAB_SIZE
 
     prompts = make_prompts(VOCAB_SIZE)
-    expected = hf_greedy(folder, prompts, NUM_NEW)
+    expected = hf_greedy(folder, prompts, NUM_NEW, pad_token_id=0)
     for scenario in SCENARIOS:
         check_scenario(make_llm, folder, prompts, expected, scenario)

@@ -10,8 +10,8 @@ from tests.model.tiny_models import WORDS
 KV = dict(num_gpu_blocks_override=128)
 
 
-def test_seeded_sampling_is_reproducible_across_batch_compositions(make_llm, tiny_model):
-    llm = make_llm(tiny_model("llama"), **KV)
+def test_seeded_sampling_is_reproducible_across_batch_compositions(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
     seeded = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)
     alone = llm.generate("the capital of france is", seeded, use_tqdm=False)[0].outputs[0]
     others = [SamplingParams(max_tokens=n, temperature=1.0, ignore_eos=True) for n in (3, 9, 20)]
@@ -25,8 +25,8 @@ def test_seeded_sampling_is_reproducible_across_batch_compositions(make_llm, tin
     assert other_seed.token_ids != alone.token_ids
 
 
-def test_stop_strings_cut_the_text_and_free_the_request(make_llm, tiny_model):
-    llm = make_llm(tiny_model("llama"), **KV)
+def test_stop_strings_cut_the_text_and_free_the_request(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
     free = llm.generate("hello world", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
     words = free.text.split()
@@ -43,8 +43,8 @@ def test_stop_strings_cut_the_text_and_free_the_request(make_llm, tiny_model):
     assert kept.text == free.text[:cut + len(stop)]
 
 
-def test_stop_token_ids_and_eos(make_llm, tiny_model):
-    llm = make_llm(tiny_model("llama"), **KV)
+def test_stop_token_ids_and_eos(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
     free = llm.generate("one two", SamplingParams(max_tokens=10, temperature=0, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
     stop_id = free.token_ids[3]
@@ -58,8 +58,8 @@ def test_stop_token_ids_and_eos(make_llm, tiny_model):
     assert length.finish_reason == "length" and len(length.token_ids) == 4
 
 
-def test_logprobs_are_returned(make_llm, tiny_model):
-    llm = make_llm(tiny_model("llama"), **KV)
+def test_logprobs_are_returned(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
     out = llm.generate("the a", SamplingParams(max_tokens=3, temperature=0, logprobs=2, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == 3
@@ -69,8 +69,8 @@ def test_logprobs_are_returned(make_llm, tiny_model):
     assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
 
 
-def test_chat_uses_the_template(make_llm, tiny_model):
-    llm = make_llm(tiny_model("llama"), **KV)
+def test_chat_uses_the_template(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
     out = llm.chat([{"role": "user", "content": "hello"}], SamplingParams(max_tokens=4, temperature=0),
                    use_tqdm=False)[0]
     expected = llm.get_tokenizer().apply_chat_template([{"role": "user", "content": "hello"}],
@@ -82,8 +82,8 @@ def test_chat_uses_the_template(make_llm, tiny_model):
     assert len(batch) == 2
 
 
-def test_priority_and_metrics(make_llm, tiny_model):
-    llm = make_llm(tiny_model("llama"), scheduling_policy="priority", max_num_seqs=1, **KV)
+def test_priority_and_metrics(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), scheduling_policy="priority", max_num_seqs=1, **KV)
     outs = llm.generate(["one", "two", "three"], SamplingParams(max_tokens=3, ignore_eos=True),
                         priority=[2, 0, 1], use_tqdm=False)
     finish = [o.metrics.finished_time for o in outs]
@@ -99,20 +99,20 @@ def test_priority_and_metrics(make_llm, tiny_model):
     ({"prompt_token_ids": [5, 100000]}, r"prompt token ids must be integers in \[0, 256\)"),
     ({"tokens": [1]}, "a prompt must be a string or"),
 ])
-def test_bad_prompts_raise_and_leave_nothing_behind(make_llm, tiny_model, prompt, message):
-    llm = make_llm(tiny_model("llama"), **KV)
+def test_bad_prompts_raise_and_leave_nothing_behind(make_llm, tiny_model_dir, prompt, message):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
     with pytest.raises(ValueError, match=message):
         llm.generate(["one two", prompt], SamplingParams(max_tokens=2), use_tqdm=False)
     # The engine still serves.
     assert len(llm.generate("one", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) >= 1
 
 
-def test_bad_sampling_params_and_engine_args(make_llm, tiny_model):
+def test_bad_sampling_params_and_engine_args(make_llm, tiny_model_dir):
     with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\]"):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="unknown engine arguments: \\['max_num_sequences'\\]"):
-        make_llm(tiny_model("llama"), max_num_sequences=4)
-    llm = make_llm(tiny_model("llama"), **KV)
+        make_llm(tiny_model_dir("llama"), max_num_sequences=4)
+    llm = make_llm(tiny_model_dir("llama"), **KV)
     with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
 
@@ -125,8 +125,8 @@ def test_model_folder_errors(tmp_path, make_llm):
         make_llm(str(tmp_path / "empty"))
 
 
-def test_words_roundtrip_through_incremental_detokenization(make_llm, tiny_model):
-    llm = make_llm(tiny_model("llama"), **KV)
+def test_words_roundtrip_through_incremental_detokenization(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
     out = llm.generate("the", SamplingParams(max_tokens=15, temperature=0, ignore_eos=True),
                        use_tqdm=False)[0].outputs[0]
     tok = llm.get_tokenizer()

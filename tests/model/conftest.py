@@ -1,23 +1,8 @@
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 
-from tests.model.tiny_models import ARCHS, make_tiny_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], str]:
-    """tiny_model_dir("qwen2") -> path of a saved random tiny model (built once per session)."""
-    built: dict[str, str] = {}
-
-    def get(arch: str = "llama") -> str:
-        if arch not in built:
-            built[arch] = make_tiny_model(str(tmp_path_factory.mktemp(f"tiny-{arch}")), arch)
-        return built[arch]
-
-    return get
+from tests.model.tiny_models import ARCHS
 
 
 @pytest.fixture(params=ARCHS)

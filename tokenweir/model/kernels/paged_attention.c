@@ -32,12 +32,15 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)(u >> 16);
 }
 
-static inline void load_row(const void *base, size_t index, int d, int dtype, float *dst) {
+/* d values starting at element `offset` of `base`, widened to float. */
+static inline __attribute__((always_inline)) void load_slot(const void *base, size_t offset, const int d,
+                                                          int dtype, float *dst) {
     if (dtype == 1) {
-        const uint16_t *src = (const uint16_t *)base + index * (size_t)d;
+        const uint16_t *src = (const uint16_t *)base + offset;
         for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
     } else {
-        memcpy(dst, (const float *)base + index * (size_t)d, sizeof(float) * (size_t)d);
+        const float *src = (const float *)base + offset;
+        for (int i = 0; i < d; i++) dst[i] = src[i];
     }
 }
 
@@ -61,7 +64,7 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
     const int32_t *table = j->block_tables + (size_t)s * j->max_blocks;
     const size_t row_stride = (size_t)j->num_kv_heads * D; /* between consecutive slots */
     for (int g = 0; g < group; g++) {
-        load_row(j->q, (size_t)s * j->num_heads + (size_t)kvh * group + g, D, j->dtype, qf + g * D);
+        load_slot(j->q, ((size_t)s * j->num_heads + (size_t)kvh * group + g) * D, D, j->dtype, qf + g * D);
         for (int i = 0; i < D; i++) qf[g * D + i] *= j->scale;
     }
     /* Scores: one pass over K, block by block (slots of a block are adjacent in memory). */
@@ -70,13 +73,7 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
         const int n = len - t0 < bs ? len - t0 : bs;
         for (int o = 0; o < n; o++) {
             float row[D];
-            if (j->dtype == 1) {
-                const uint16_t *src = (const uint16_t *)j->k_cache + base + o * row_stride;
-                for (int i = 0; i < D; i++) row[i] = bf16_to_f32(src[i]);
-            } else {
-                const float *src = (const float *)j->k_cache + base + o * row_stride;
-                for (int i = 0; i < D; i++) row[i] = src[i];
-            }
+            load_slot(j->k_cache, base + o * row_stride, D, j->dtype, row);
             for (int g = 0; g < group; g++) {
                 const float *qg = qf + g * D;
                 float dot = 0.f;
@@ -99,13 +96,7 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
         const int n = len - t0 < bs ? len - t0 : bs;
         for (int o = 0; o < n; o++) {
             float row[D];
-            if (j->dtype == 1) {
-                const uint16_t *src = (const uint16_t *)j->v_cache + base + o * row_stride;
-                for (int i = 0; i < D; i++) row[i] = bf16_to_f32(src[i]);
-            } else {
-                const float *src = (const float *)j->v_cache + base + o * row_stride;
-                for (int i = 0; i < D; i++) row[i] = src[i];
-            }
+            load_slot(j->v_cache, base + o * row_stride, D, j->dtype, row);
             for (int g = 0; g < group; g++) {
                 const float p = scores[(size_t)g * len + t0 + o];
                 float *ag = acc + g * D;
