@@ -1,0 +1,60 @@
+"""Incremental detokenization and stop strings with the real default model's byte-level BPE
+tokenizer: multi-byte characters split across tokens are never cut in half."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenweir.engine.output import OutputProcessor
+from tokenweir.request import Request, RequestStatus, SamplingParams
+
+TEXT = "Olá, café ☕ naïve résumé 🎉🎉 done."
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from tokenweir.model.loader import default_model_path, ensure_hf_folder
+
+    return AutoTokenizer.from_pretrained(ensure_hf_folder(default_model_path()))
+
+
+def stream(tokenizer, text, **params):
+    """Feed `text`'s tokens one by one; return (texts shown after each token, state, request)."""
+    processor = OutputProcessor(tokenizer)
+    request = Request("r", tokenizer.encode("Say:"), SamplingParams(max_tokens=100, **params))
+    state = processor.new_state(request, "Say:")
+    shown = []
+    for i, token in enumerate(tokenizer.encode(text)):
+        request.append_output_token(token, now=float(i))
+        if processor.process_tokens(state, 1):
+            request.status = RequestStatus.FINISHED_STOPPED
+            shown.append(processor.make_output(state).outputs[0].text)
+            break
+        shown.append(processor.make_output(state).outputs[0].text)
+    return shown, state, request
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    ids = tokenizer.encode(TEXT)
+    assert any("\ufffd" in tokenizer.decode(ids[:i]) for i in range(1, len(ids))), \
+        "the test text must contain characters split across tokens"
+    shown, _, _ = stream(tokenizer, TEXT)
+    assert all("\ufffd" not in s for s in shown)
+    assert all(b.startswith(a) for a, b in zip(shown, shown[1:]))  # text only grows
+    assert shown[-1] == TEXT
+
+
+def test_stop_string_after_multibyte_text(tokenizer):
+    shown, state, _ = stream(tokenizer, TEXT, stop=["🎉"])
+    assert shown[-1] == "Olá, café ☕ naïve résumé " and state.stop_reason == "🎉"
+
+
+def test_running_text_holds_back_a_possible_stop_prefix(tokenizer):
+    stop = "four five six"
+    shown, state, request = stream(tokenizer, "one two three four five", stop=[stop])
+    # While running, the last len(stop) - 1 characters stay back: they could start the stop.
+    assert shown[-1] == "one two three four five"[:-(len(stop) - 1)]
+    request.status = RequestStatus.FINISHED_LENGTH
+    assert OutputProcessor(tokenizer).make_output(state).outputs[0].text == "one two three four five"
