@@ -1,0 +1,35 @@
+"""Small clients and parsers shared by the server tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+MODEL = "tiny-llama"
+
+
+def client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    # No retries: a 429 or 5xx must reach the test, not be retried away.
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+def async_client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def post(url: str, path: str, body: Any, **kwargs: Any) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=60, **kwargs)
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+    """/metrics as {(sample name, labels): value}."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, frozenset(s.labels.items())): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
+    return samples.get((name, frozenset({"model_name": MODEL, **labels}.items())), 0.0)

@@ -1,0 +1,145 @@
+"""AsyncLLMEngine without HTTP: streaming, abort, and failures that stay contained."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN, assert_engine_clean, make_engine
+from tokenweir.engine.async_engine import EngineDeadError, RequestFailedError
+from tokenweir.request import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture
+def clean(engine):
+    yield engine
+    assert_engine_clean(engine)
+
+
+async def collect(engine, request_id, prompt, params=GREEDY, **kwargs):
+    return [out async for out in engine.generate(request_id, prompt, params, **kwargs)]
+
+
+def test_generate_streams_cumulative_outputs(clean):
+    outputs = asyncio.run(collect(clean, "stream", [5, 6, 7]))
+    token_counts = [len(o.outputs[0].token_ids) for o in outputs]
+    assert token_counts == sorted(token_counts) and token_counts[-1] == 6
+    assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
+    assert outputs[-1].outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt,match", [([], "empty"), (list(range(1, 10)) * 40, "max_model_len"),
+                                          ([1, 100000], "token ids")])
+def test_bad_prompt_raises_value_error_and_the_engine_goes_on(clean, prompt, match):
+    async def run():
+        with pytest.raises(ValueError, match=match):
+            await collect(clean, "bad", prompt)
+        return await collect(clean, "good", [5, 6, 7])
+
+    assert asyncio.run(run())[-1].finished
+
+
+def test_duplicate_request_id_is_rejected(clean):
+    async def run():
+        first = await clean.add_request("dup", [5, 6], GREEDY)
+        with pytest.raises(ValueError, match="already in use"):
+            await clean.add_request("dup", [5, 6], GREEDY)
+        return [out async for out in first]
+
+    assert asyncio.run(run())[-1].outputs[0].finish_reason == "length"
+
+
+def test_abort_ends_the_stream(clean):
+    async def run():
+        params = SamplingParams(max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)
+        outputs = await clean.add_request("to-abort", [5, 6, 7], params)
+        first = await outputs.__anext__()
+        clean.abort("to-abort")
+        rest = [out async for out in outputs]
+        return first, rest
+
+    first, rest = asyncio.run(run())
+    assert not first.finished
+    assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
+
+
+def test_leaving_the_stream_early_aborts(clean):
+    async def run():
+        params = SamplingParams(max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)
+        async for out in clean.generate("left", [5, 6, 7], params):
+            assert not out.finished
+            break
+
+    asyncio.run(run())  # the fixture checks the request is gone and its blocks are free
+
+
+def test_output_processing_error_fails_only_that_request(clean, monkeypatch):
+    processor = clean.core.output_processor.inner
+    process_tokens = processor.process_tokens
+
+    def failing(state, *args, **kwargs):
+        if state.request.request_id == "bad" and state.request.num_output_tokens >= 2:
+            raise RuntimeError("detokenizer exploded")
+        return process_tokens(state, *args, **kwargs)
+
+    monkeypatch.setattr(processor, "process_tokens", failing)
+
+    async def run():
+        return await asyncio.gather(collect(clean, "bad", [5, 6, 7]), collect(clean, "good", [8, 9]),
+                                    return_exceptions=True)
+
+    bad, good = asyncio.run(run())
+    assert isinstance(bad, RequestFailedError) and "detokenizer exploded" in str(bad)
+    assert good[-1].outputs[0].finish_reason == "length" and len(good[-1].outputs[0].token_ids) == 6
+
+
+def test_step_error_fails_requests_in_flight_and_the_engine_goes_on(clean, monkeypatch):
+    reference = asyncio.run(collect(clean, "ref", [5, 6, 7]))[-1].outputs[0].token_ids
+    runner = clean.core.runner
+    execute_model = runner.execute_model
+    calls = {"n": 0}
+
+    def fails_once(scheduler_output):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return execute_model(scheduler_output)
+
+    monkeypatch.setattr(runner, "execute_model", fails_once)
+
+    async def run():
+        return await asyncio.gather(collect(clean, "a", [5, 6, 7]), collect(clean, "b", [8, 9]),
+                                    return_exceptions=True)
+
+    results = asyncio.run(run())
+    assert all(isinstance(r, RequestFailedError) and "device lost" in str(r) for r in results)
+    # The same request afterwards gives the same greedy tokens: no state was left behind.
+    assert asyncio.run(collect(clean, "again", [5, 6, 7]))[-1].outputs[0].token_ids == reference
+
+
+def test_shutdown_fails_streams_and_later_calls(tiny_model_dir, make_server):
+    engine = make_engine(tiny_model_dir)
+    url = make_server(engine)
+
+    async def run():
+        params = SamplingParams(max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)
+        outputs = await engine.add_request("long", [5, 6, 7], params)
+        await outputs.__anext__()
+        await asyncio.to_thread(engine.shutdown)
+        with pytest.raises(EngineDeadError):
+            async for _ in outputs:
+                pass
+        with pytest.raises(EngineDeadError):
+            await collect(engine, "late", [5, 6])
+
+    asyncio.run(run())
+    assert not engine.is_running
+    assert_engine_clean(engine)
+    assert httpx.get(f"{url}/health").status_code == 503
+    response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
+    assert response.status_code == 503 and "Retry-After" in response.headers
+    assert response.json()["error"]["code"] == "engine_dead"

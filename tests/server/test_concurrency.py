@@ -1,0 +1,109 @@
+"""Many streams at once, overload (429), and clients that go away mid-request."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from tests.server.conftest import assert_engine_clean, wait_until
+from tests.server.helpers import MODEL, async_client, post, scrape, value
+
+WORDS = "the a of to in is it you that he was for on are with as his they be at one have this".split()
+
+
+def test_32_concurrent_streams_complete(server):
+    lengths = [4 + i % 13 for i in range(32)]
+
+    async def one(ac, i, n):
+        prompt = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 7))
+        stream = await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0.8, seed=i,
+                                             stream=True, stream_options={"include_usage": True},
+                                             extra_body={"ignore_eos": True})
+        finish, usage = None, None
+        async for chunk in stream:
+            if chunk.choices:
+                finish = chunk.choices[0].finish_reason or finish
+            usage = chunk.usage or usage
+        return finish, usage
+
+    async def run():
+        ac = async_client(server)
+        results = await asyncio.gather(*(one(ac, i, n) for i, n in enumerate(lengths)))
+        await ac.close()
+        return results
+
+    results = asyncio.run(run())
+    assert [finish for finish, _ in results] == ["length"] * 32
+    assert [usage.completion_tokens for _, usage in results] == lengths
+
+
+def test_429_past_the_waiting_limit(make_server, engine, gate):
+    url = make_server(max_waiting_requests=2)
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 3, "ignore_eos": True}
+    with ThreadPoolExecutor(2) as pool:
+        held = [pool.submit(post, url, "/v1/completions", body) for _ in range(2)]
+        # The engine is held before its first step: both requests wait.
+        wait_until(lambda: engine.num_waiting_requests() == 2, "two waiting requests")
+        rejected = post(url, "/v1/completions", body)
+        assert rejected.status_code == 429
+        assert int(rejected.headers["Retry-After"]) >= 1
+        assert rejected.json()["error"]["code"] == "rate_limit_exceeded"
+        gate.set()
+        assert [f.result().status_code for f in held] == [200, 200]
+    assert post(url, "/v1/completions", body).status_code == 200
+
+
+@pytest.fixture
+def slow_steps(engine, monkeypatch):
+    """Steps of >= 10 ms, so that a long request is still running when its client leaves."""
+    step = engine.core.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    monkeypatch.setattr(engine.core, "step", slow_step)
+
+
+LONG_RUN = 200  # tokens: >= 2 s at >= 10 ms a step, far longer than noticing a disconnect takes
+
+
+def aborted_count(url: str) -> float:
+    return value(scrape(url), "tokenweir:request_success_total", finished_reason="abort")
+
+
+def test_disconnect_mid_stream_frees_blocks(server, engine, slow_steps):
+    before = aborted_count(server)
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": LONG_RUN, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data:")
+            if events == 3:
+                break  # leaving the block closes the connection mid-stream
+    assert_engine_clean(engine)
+    assert aborted_count(server) == before + 1
+
+
+def test_disconnect_while_waiting_for_a_full_response(server, engine, slow_steps):
+    before = aborted_count(server)
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": LONG_RUN, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, timeout=httpx.Timeout(60, read=0.3))
+    assert_engine_clean(engine)
+    assert aborted_count(server) == before + 1
+
+
+def test_disconnect_before_the_first_step(server, engine, gate, slow_steps):
+    before = aborted_count(server)
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": LONG_RUN, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200  # accepted, queued behind the held step
+    gate.set()
+    assert_engine_clean(engine)
+    assert aborted_count(server) == before + 1

@@ -1,0 +1,106 @@
+"""Bad input gets OpenAI's error JSON with a 4xx naming the field, and the server keeps serving."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import MAX_MODEL_LEN
+from tests.server.helpers import MODEL, client, post
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "hello"}]
+LONG = "the " * (MAX_MODEL_LEN + 10)
+HALF = "the " * (MAX_MODEL_LEN // 2)
+
+# (id, path, body, status, param the error must name)
+CASES = [
+    ("wrong-type-temperature", COMPLETIONS, {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("wrong-type-max-tokens", COMPLETIONS, {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("wrong-type-stop", COMPLETIONS, {"prompt": "hi", "stop": 5}, 400, "stop"),
+    ("wrong-type-prompt", COMPLETIONS, {"prompt": {"text": "hi"}}, 400, "prompt"),
+    ("missing-prompt", COMPLETIONS, {"max_tokens": 3}, 400, "prompt"),
+    ("unknown-model", COMPLETIONS, {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
+    ("empty-prompt", COMPLETIONS, {"prompt": ""}, 400, "prompt"),
+    ("prompt-too-long", COMPLETIONS, {"prompt": LONG}, 400, "prompt"),
+    ("prompt-plus-output-too-long", COMPLETIONS, {"prompt": HALF, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("out-of-vocab-ids", COMPLETIONS, {"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ("batched-prompts", COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("max-tokens-zero", COMPLETIONS, {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("max-tokens-negative", COMPLETIONS, {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ("temperature-negative", COMPLETIONS, {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("top-p-zero", COMPLETIONS, {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("top-p-above-one", COMPLETIONS, {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("top-k-negative", COMPLETIONS, {"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ("min-tokens-above-max", COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens"),
+    ("logprobs-too-many", COMPLETIONS, {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
+    ("n-two", COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n"),
+    ("echo", COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("deadline-negative", COMPLETIONS, {"prompt": "hi", "deadline_ms": -1}, 400, "deadline_ms"),
+    ("chat-missing-messages", CHAT, {"max_tokens": 3}, 400, "messages"),
+    ("chat-empty-messages", CHAT, {"messages": []}, 400, "messages"),
+    ("chat-bad-message", CHAT, {"messages": [{"content": "no role"}]}, 400, "messages"),
+    ("chat-unknown-model", CHAT, {"messages": MESSAGES, "model": "gpt-17"}, 404, "model"),
+    ("chat-max-completion-tokens-zero", CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("chat-too-long", CHAT, {"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ("chat-top-logprobs-without-logprobs", CHAT, {"messages": MESSAGES, "top_logprobs": 2}, 400, "top_logprobs"),
+    ("chat-top-logprobs-too-many", CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 30}, 400,
+     "top_logprobs"),
+    ("chat-temperature-negative", CHAT, {"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
+    ("chat-n-two", CHAT, {"messages": MESSAGES, "n": 2}, 400, "n"),
+]
+
+
+def assert_serves(url: str) -> None:
+    out = client(url).completions.create(model=MODEL, prompt="hello", max_tokens=2, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 2
+
+
+@pytest.mark.parametrize("path,body,status,param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_names_the_field(server, path, body, status, param):
+    response = post(server, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert param in error["message"]
+    assert error["type"] == "invalid_request_error"
+    if status == 404:
+        assert error["code"] == "model_not_found"
+    assert_serves(server)
+
+
+@pytest.mark.parametrize("raw", [b'{"prompt": "hi",', b"[1, 2]", b"not json at all"])
+def test_invalid_json(server, raw):
+    response = httpx.post(f"{server}{COMPLETIONS}", content=raw, headers={"Content-Type": "application/json"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and "JSON" in error["message"]
+    assert_serves(server)
+
+
+def test_openai_client_raises_typed_errors(server):
+    c = client(server)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        c.completions.create(model=MODEL, prompt="hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError, match="gpt-17"):
+        c.chat.completions.create(model="gpt-17", messages=MESSAGES)
+
+
+def test_api_key(make_server):
+    url = make_server(api_key="sekret")
+    body = {"prompt": "hi", "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        response = post(url, COMPLETIONS, body, headers=headers)
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert post(url, COMPLETIONS, body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+    # Only /v1/* is guarded: probes and scrapers need no key.
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 200
+    with pytest.raises(openai.AuthenticationError):
+        client(url, api_key="wrong").models.list()
+    assert [m.id for m in client(url, api_key="sekret").models.list().data] == [MODEL]

@@ -1,0 +1,142 @@
+"""The official openai client against the server: completions and chat, streamed and not."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+import tokenweir
+from tests.server.helpers import MODEL, async_client, client
+
+PROMPT = "the capital of france is"
+MESSAGES = [{"role": "user", "content": "what is the capital of france ?"}]
+# Sampled with a seed: the tiny random model's greedy picks are often ids its word-level
+# tokenizer cannot spell, while seeded samples give text and are just as reproducible.
+SEEDED = dict(temperature=1.0, seed=7)
+
+
+def chat_prompt_ids(engine, messages) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return engine.tokenizer.encode(text, add_special_tokens=False)
+
+
+def test_models_health_version(server):
+    models = client(server).models.list().data
+    assert [m.id for m in models] == [MODEL]
+    assert httpx.get(f"{server}/health").status_code == 200
+    assert httpx.get(f"{server}/version").json() == {"version": tokenweir.__version__}
+
+
+def test_completion_streamed_and_not(server, engine):
+    c = client(server)
+    full = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, extra_body={"ignore_eos": True},
+                                **SEEDED)
+    assert full.id.startswith("cmpl-") and full.object == "text_completion" and full.model == MODEL
+    num_prompt = len(engine.tokenizer.encode(PROMPT, add_special_tokens=True))
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens, full.usage.total_tokens) == (
+        num_prompt, 12, num_prompt + 12)
+    assert full.choices[0].finish_reason == "length" and full.choices[0].text
+
+    chunks = list(c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True}, **SEEDED))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full.choices[0].text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_chat_streamed_and_not(server, engine):
+    c = client(server)
+    full = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=10,
+                                     extra_body={"ignore_eos": True}, **SEEDED)
+    assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
+    assert full.choices[0].message.role == "assistant" and full.choices[0].message.content
+    assert full.usage.prompt_tokens == len(chat_prompt_ids(engine, MESSAGES))
+    assert full.usage.completion_tokens == 10
+
+    chunks = list(c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=10, stream=True,
+                                            stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True}, **SEEDED))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(ch.object == "chat.completion.chunk" for ch in chunks)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].usage == full.usage
+
+
+def test_stop_string_cuts_the_text(server):
+    c = client(server)
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=24, extra_body={"ignore_eos": True}, **SEEDED)
+    text = c.completions.create(**kwargs).choices[0].text
+    words = text.split()
+    assert len(words) >= 4, text
+    stop = words[len(words) // 2]
+    cut = c.completions.create(**kwargs, stop=[stop, "no such words here"]).choices[0]
+    assert cut.finish_reason == "stop"
+    assert cut.text == text[:text.index(stop)]
+    streamed = c.completions.create(**kwargs, stop=stop, stream=True)
+    assert "".join(ch.choices[0].text for ch in streamed) == cut.text
+
+
+def test_seeded_sampling_is_reproducible_under_concurrency(server):
+    async def run():
+        ac = async_client(server)
+        def one(seed):
+            return ac.completions.create(model=MODEL, prompt="hello world", max_tokens=16, temperature=1.0,
+                                         seed=seed, logprobs=1, extra_body={"ignore_eos": True})
+        outs = await asyncio.gather(one(1234), one(99), one(1234), one(4321))
+        await ac.close()
+        return outs
+
+    a, _, b, d = asyncio.run(run())
+    assert a.choices[0].text == b.choices[0].text
+    # Batch shapes differ between the runs, so logprobs agree only to float precision.
+    assert a.choices[0].logprobs.tokens == b.choices[0].logprobs.tokens
+    assert a.choices[0].logprobs.token_logprobs == pytest.approx(b.choices[0].logprobs.token_logprobs, abs=1e-4)
+    assert a.choices[0].logprobs.token_logprobs != pytest.approx(d.choices[0].logprobs.token_logprobs, abs=1e-4)
+
+
+def test_logprobs(server):
+    c = client(server)
+    out = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                               extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 6
+    # Greedy: the sampled token is the most likely one. (Several ids the tiny tokenizer cannot
+    # spell share the text "", so a dict keyed by text may hold fewer than 3 entries.)
+    for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3 and token_lp == pytest.approx(max(top.values()))
+        assert top[token] == pytest.approx(token_lp)
+
+    chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True,
+                                     top_logprobs=2, extra_body={"ignore_eos": True}, **SEEDED)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= 0 for t in content)
+
+
+def test_request_fields_reach_the_engine(server, engine, monkeypatch):
+    seen = []
+    add_request = engine.core.add_request
+
+    def spy(*args, **kwargs):
+        request = add_request(*args, **kwargs)
+        seen.append(request)
+        return request
+
+    monkeypatch.setattr(engine.core, "add_request", spy)
+    client(server).completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=3, top_p=0.9, seed=5,
+        extra_body={"priority": 3, "tenant": "acme", "deadline_ms": 5000, "ttft_slo_ms": 200,
+                    "tpot_slo_ms": 50, "top_k": 5, "min_p": 0.05, "min_tokens": 2, "stop_token_ids": [7],
+                    "ignore_eos": True})
+    (request,) = seen
+    assert (request.priority, request.tenant) == (3, "acme")
+    assert request.deadline - request.arrival_time == pytest.approx(5.0)
+    assert (request.ttft_slo, request.tpot_slo) == (pytest.approx(0.2), pytest.approx(0.05))
+    p = request.sampling_params
+    assert (p.max_tokens, p.top_p, p.top_k, p.min_p, p.min_tokens, p.seed, p.stop_token_ids, p.ignore_eos) == (
+        3, 0.9, 5, 0.05, 2, 5, [7], True)

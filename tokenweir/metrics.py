@@ -1,0 +1,189 @@
+"""Prometheus metrics (names in DESIGN.md, prefix `tokenweir:`) and the periodic stats log line.
+
+Every metric lives in a `CollectorRegistry` of its own per engine, so several engines (tests,
+one process serving two apps) never collide in prometheus_client's global registry. Buckets
+follow vLLM's, so dashboards built for vLLM read tokenweir's histograms the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from tokenweir.core.scheduler import SchedulerStats
+from tokenweir.engine.output import RequestOutput
+
+logger = logging.getLogger("tokenweir")
+
+PREFIX = "tokenweir:"
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
+                         5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                           50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+FINISH_REASONS = ("stop", "length", "abort")
+
+# Without this every counter and histogram also exports a `*_created` timestamp series, which
+# vLLM's dashboards do not use and which doubles the scrape. (A process-wide switch.)
+disable_created_metrics()
+
+
+def iteration_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
+    """vLLM's step-size buckets up to the step budget: larger ones can never fill."""
+    return tuple(b for b in _ITERATION_TOKEN_BUCKETS if b <= max_num_batched_tokens) or (1,)
+
+
+class EngineMetrics:
+    """The engine's Prometheus metrics, all labelled with `model_name`."""
+
+    def __init__(self, model_name: str, max_num_batched_tokens: int,
+                 registry: Optional[CollectorRegistry] = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model_name = model_name
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests running on the engine.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
+        self.prefix_cache_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill completed.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._request_success = Counter(
+            PREFIX + "request_success", "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        self.request_success = {r: self._request_success.labels(model_name, r) for r in FINISH_REASONS}
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive outputs of a request.",
+            TOKEN_LATENCY_BUCKETS)
+        self.time_per_output_token = histogram(
+            "time_per_output_token_seconds", "Decode time per output token after the first, per request.",
+            TOKEN_LATENCY_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to finish.", REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "request_queue_time_seconds", "Time from arrival to first scheduled.", REQUEST_LATENCY_BUCKETS)
+        self.request_prefill_time = histogram(
+            "request_prefill_time_seconds", "Time from first scheduled to first token.",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_decode_time = histogram(
+            "request_decode_time_seconds", "Time from first token to finish.", REQUEST_LATENCY_BUCKETS)
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens computed per engine step.",
+            iteration_token_buckets(max_num_batched_tokens))
+        self._last_prefix_queries = 0
+        self._last_prefix_hits = 0
+        self._last_preemptions = 0
+
+    def record_scheduler_stats(self, stats: SchedulerStats) -> None:
+        """Gauges from a snapshot; counters by the growth of the scheduler's cumulative ones."""
+        self.num_requests_running.set(stats.num_running)
+        self.num_requests_waiting.set(stats.num_waiting)
+        self.num_requests_swapped.set(stats.num_swapped)
+        self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        queries, hits = stats.prefix_cache.queries, stats.prefix_cache.hits
+        self.prefix_cache_queries.inc(queries - self._last_prefix_queries)
+        self.prefix_cache_hits.inc(hits - self._last_prefix_hits)
+        self.num_preemptions.inc(stats.num_preemptions - self._last_preemptions)
+        self._last_prefix_queries, self._last_prefix_hits = queries, hits
+        self._last_preemptions = stats.num_preemptions
+
+    def record_iteration(self, num_scheduled_tokens: int) -> None:
+        if num_scheduled_tokens > 0:
+            self.iteration_tokens.observe(num_scheduled_tokens)
+
+    def record_first_token(self, output: RequestOutput) -> None:
+        m = output.metrics
+        self.prompt_tokens.inc(len(output.prompt_token_ids))
+        if m.first_token_time is not None:
+            self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
+
+    def record_new_tokens(self, num_tokens: int, inter_token_latency: Optional[float]) -> None:
+        self.generation_tokens.inc(num_tokens)
+        if inter_token_latency is not None:
+            self.inter_token_latency.observe(inter_token_latency)
+
+    def record_finished(self, output: RequestOutput) -> None:
+        m = output.metrics
+        completion = output.outputs[0]
+        self.request_success[completion.finish_reason or "abort"].inc()
+        if m.finished_time is None:
+            return
+        self.e2e_request_latency.observe(m.finished_time - m.arrival_time)
+        if m.first_scheduled_time is None:
+            return  # aborted while waiting: it never reached the model
+        self.request_queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        if m.first_token_time is None:
+            return
+        self.request_prefill_time.observe(m.first_token_time - m.first_scheduled_time)
+        decode_time = m.finished_time - m.first_token_time
+        self.request_decode_time.observe(decode_time)
+        num_tokens = len(completion.token_ids)
+        if num_tokens > 1:
+            self.time_per_output_token.observe(decode_time / (num_tokens - 1))
+
+
+@dataclass
+class _Window:
+    start: float
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+
+class StatsLogger:
+    """The periodic one-line summary vLLM users know, every `interval_s` while there is work.
+
+    Throughputs are averages over the interval; the prefix-cache hit rate is over the lookups
+    made in the interval. Repeated idle lines are suppressed.
+    """
+
+    def __init__(self, interval_s: float, now: float) -> None:
+        self.interval_s = interval_s
+        self._window = _Window(now)
+        self._last_prefix = (0, 0)  # cumulative (queries, hits) at the last line
+        self._logged_idle = False
+
+    def add_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
+        self._window.prompt_tokens += prompt_tokens
+        self._window.generation_tokens += generation_tokens
+
+    def maybe_log(self, stats: SchedulerStats, now: float) -> None:
+        w = self._window
+        elapsed = now - w.start
+        if elapsed < self.interval_s:
+            return
+        idle = (w.prompt_tokens == 0 and w.generation_tokens == 0 and stats.num_running == 0
+                and stats.num_waiting == 0 and stats.num_swapped == 0)
+        queries = stats.prefix_cache.queries - self._last_prefix[0]
+        hits = stats.prefix_cache.hits - self._last_prefix[1]
+        if not (idle and self._logged_idle):
+            logger.info(
+                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                "Running: %d reqs, Waiting: %d reqs, Swapped: %d reqs, KV cache usage: %.1f%%, "
+                "Prefix cache hit rate: %.1f%%",
+                w.prompt_tokens / elapsed, w.generation_tokens / elapsed, stats.num_running,
+                stats.num_waiting, stats.num_swapped, 100 * stats.kv_cache_usage,
+                100 * hits / queries if queries > 0 else 0.0)
+        self._logged_idle = idle
+        self._last_prefix = (stats.prefix_cache.queries, stats.prefix_cache.hits)
+        self._window = _Window(now)
