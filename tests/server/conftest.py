@@ -1,4 +1,5 @@
-"""A real uvicorn server on 127.0.0.1 around an AsyncLLMEngine on a tiny random Llama.
+"""A real uvicorn server on 127.0.0.1 around an AsyncLLMEngine on a tiny random Llama
+(`tiny_model_dir` comes from tests/conftest.py).
 
 One engine serves the whole session (loading is the slow part); each test starts its own app
 and server on a free port, and leaves the engine idle with every KV block free.
@@ -16,7 +17,6 @@ import pytest
 import uvicorn
 
 from tests.core.helpers import assert_no_leaks
-from tests.model.tiny_models import make_tiny_model
 from tokenweir.config import EngineArgs
 from tokenweir.engine.async_engine import AsyncLLMEngine
 from tokenweir.server.openai_api import build_app
@@ -24,11 +24,6 @@ from tokenweir.server.openai_api import build_app
 NUM_BLOCKS = 96
 BLOCK_SIZE = 16
 MAX_MODEL_LEN = 256
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return make_tiny_model(str(tmp_path_factory.mktemp("server-llama")), "llama")
 
 
 def make_engine(model_dir: str, **overrides: Any) -> AsyncLLMEngine:
@@ -39,8 +34,8 @@ def make_engine(model_dir: str, **overrides: Any) -> AsyncLLMEngine:
 
 
 @pytest.fixture(scope="session")
-def engine(tiny_model_dir: str) -> Iterator[AsyncLLMEngine]:
-    eng = make_engine(tiny_model_dir)
+def engine(tiny_model_dir: Callable[[str], str]) -> Iterator[AsyncLLMEngine]:
+    eng = make_engine(tiny_model_dir("llama"))
     yield eng
     eng.shutdown()
 

@@ -122,7 +122,7 @@ def test_step_error_fails_requests_in_flight_and_the_engine_goes_on(clean, monke
 
 
 def test_shutdown_fails_streams_and_later_calls(tiny_model_dir, make_server):
-    engine = make_engine(tiny_model_dir)
+    engine = make_engine(tiny_model_dir("llama"))
     url = make_server(engine)
 
     async def run():
