@@ -1,8 +1,8 @@
 """Offline throughput on the default model: tokenweir vs transformers, side by side in one run.
 
-Workload: N requests whose prompt/output lengths are sampled (seeded) from the Azure LLM
-inference trace 2023 (conversation; Azure/AzurePublicDataset, CC-BY 4.0), capped to fit the
-model and a 2-core CPU. Prompts are random token ids of exactly those lengths; EOS is ignored
+Workloads: N requests whose prompt/output lengths are sampled (seeded) from the Azure LLM
+inference trace 2023 (conversation; Azure/AzurePublicDataset, CC-BY 4.0), under one or more
+pairs of length caps (a prompt-heavy and a decode-heavy shape by default). Prompts are random token ids of exactly those lengths; EOS is ignored
 so every request produces exactly its output length ("useful tokens").
 
 Systems, all bf16 (or --dtype):
@@ -13,7 +13,7 @@ Systems, all bf16 (or --dtype):
 
 Writes docs/benchmarks/offline_throughput.md and .json.
 
-    .venv/bin/python benchmarks/offline_throughput.py [--num-requests 64] [--systems tokenweir,hf_static,hf_cb]
+    .venv/bin/python benchmarks/offline_throughput.py [--workloads 512:128,64:128] [--systems tokenweir,hf_static,hf_cb]
 """
 
 from __future__ import annotations
@@ -116,8 +116,8 @@ def run_hf_continuous(workload, dtype: torch.dtype) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--max-prompt", type=int, default=512)
-    parser.add_argument("--max-output", type=int, default=128)
+    parser.add_argument("--workloads", default="512:128,64:128",
+                        help="comma-separated MAX_PROMPT:MAX_OUTPUT length caps, one run of every system each")
     parser.add_argument("--static-batch", type=int, default=32)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -127,48 +127,54 @@ def main() -> None:
     args = parser.parse_args()
 
     torch_dtype = getattr(torch, args.dtype)
-    workload = sample_workload(args.num_requests, args.max_prompt, args.max_output, 49152, args.seed)
-    runners = {
-        "tokenweir": lambda: run_tokenweir(workload, args.dtype, args),
-        "hf_static": lambda: run_hf_static(workload, torch_dtype, args.static_batch),
-        "hf_cb": lambda: run_hf_continuous(workload, torch_dtype),
-    }
     names = {"tokenweir": "tokenweir LLM.generate",
              "hf_static": f"transformers generate, static batches of {args.static_batch}",
              "hf_cb": "transformers continuous batching"}
-    results = {}
-    for system in args.systems.split(","):
-        r = runners[system]()
-        r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
-        results[system] = r
-        print(f"{names[system]}: {r['useful_tokens']} tokens in {r['seconds']:.1f} s = {r['tokens_per_s']:.1f} tok/s",
-              flush=True)
-
     machine = f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, threads {torch.get_num_threads()}"
     command = "`.venv/bin/python benchmarks/offline_throughput.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()) + "`"
-    prompt_tokens = sum(len(p) for p, _ in workload)
     lines = ["# Offline throughput", "",
-             f"{args.num_requests} requests, lengths sampled (seed {args.seed}) from the Azure LLM inference trace "
-             f"2023 (conversation, CC-BY 4.0), capped at {args.max_prompt} prompt / {args.max_output} output tokens: "
-             f"{prompt_tokens} prompt tokens, {sum(o for _, o in workload)} useful output tokens. Default model "
-             f"(SmolLM2-135M-Instruct), {args.dtype}, EOS ignored. Useful output tokens per second; the static "
-             "batch pays for padding and for running every batch to its longest output.", "",
-             f"Command: {command}  ", f"Machine: {machine} (shared, noisy: compare ratios within one run).", "",
-             "| system | seconds | useful tok/s | vs static batch |", "|---|---|---|---|"]
-    base = results.get("hf_static", {}).get("tokens_per_s")
-    for system, r in results.items():
-        ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
-        lines.append(f"| {names[system]} | {r['seconds']:.1f} | {r['tokens_per_s']:.1f} | {ratio} |")
+             f"{args.num_requests} requests whose lengths are sampled (seed {args.seed}) from the Azure LLM "
+             "inference trace 2023 (conversation, CC-BY 4.0) and capped as each table says. Default model "
+             f"(SmolLM2-135M-Instruct), {args.dtype}, EOS ignored, so each request yields exactly its "
+             "sampled output length. Figures are useful output tokens per second: the static batch pays for "
+             "left padding and for running every batch to its longest output.", "",
+             f"Command: {command}  ", f"Machine: {machine} (shared, noisy: compare ratios within one run).", ""]
+    all_results = {}
+    for spec in args.workloads.split(","):
+        max_prompt, max_output = (int(x) for x in spec.split(":"))
+        workload = sample_workload(args.num_requests, max_prompt, max_output, 49152, args.seed)
+        runners = {
+            "tokenweir": lambda: run_tokenweir(workload, args.dtype, args),
+            "hf_static": lambda: run_hf_static(workload, torch_dtype, args.static_batch),
+            "hf_cb": lambda: run_hf_continuous(workload, torch_dtype),
+        }
+        results = {}
+        for system in args.systems.split(","):
+            r = runners[system]()
+            r["tokens_per_s"] = r["useful_tokens"] / r["seconds"]
+            results[system] = r
+            print(f"[{spec}] {names[system]}: {r['useful_tokens']} tokens in {r['seconds']:.1f} s = "
+                  f"{r['tokens_per_s']:.1f} tok/s", flush=True)
+        all_results[spec] = results
+        prompt_tokens = sum(len(p) for p, _ in workload)
+        lines += [f"## Prompts capped at {max_prompt}, outputs at {max_output}", "",
+                  f"{prompt_tokens} prompt tokens, {sum(o for _, o in workload)} useful output tokens.", "",
+                  "| system | seconds | useful tok/s | vs static batch |", "|---|---|---|---|"]
+        base = results.get("hf_static", {}).get("tokens_per_s")
+        for system, r in results.items():
+            ratio = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+            lines.append(f"| {names[system]} | {r['seconds']:.1f} | {r['tokens_per_s']:.1f} | {ratio} |")
+        lines.append("")
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "offline_throughput.json").write_text(json.dumps(
-        {"args": vars(args), "machine": machine, "results": results}, indent=2))
-    table = "\n".join(lines) + "\n"
+        {"args": vars(args), "machine": machine, "results": all_results}, indent=2))
     path = OUT / "offline_throughput.md"
-    # Keep any hand-written analysis below the generated table.
+    # Keep the hand-written analysis below the generated tables.
     marker = "\n## Where the time goes"
-    tail = path.read_text().split(marker, 1)[1] if path.exists() and marker in path.read_text() else None
-    path.write_text(table + (marker + tail if tail else ""))
+    old = path.read_text() if path.exists() else ""
+    tail = old.split(marker, 1)[1] if marker in old else None
+    path.write_text("\n".join(lines) + (marker + tail if tail else ""))
 
 
 if __name__ == "__main__":

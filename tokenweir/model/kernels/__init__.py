@@ -22,7 +22,7 @@ import torch
 logger = logging.getLogger("tokenweir")
 
 _SOURCE = Path(__file__).with_name("paged_attention.c")
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-pthread"]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-fopenmp"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
@@ -70,7 +70,7 @@ def _library() -> Optional[ctypes.CDLL]:
         return None
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -94,5 +94,5 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
         out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-        scale, _DTYPES[q.dtype], torch.get_num_threads())
+        scale, _DTYPES[q.dtype])
     return out

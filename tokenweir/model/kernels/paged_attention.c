@@ -13,7 +13,6 @@
  * dtype: 0 = float32, 1 = bfloat16. GQA: query head h reads KV head h / (num_heads / num_kv_heads).
  */
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,8 +49,6 @@ typedef struct {
     void *out;
     int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, dtype;
     float scale;
-    int begin, end; /* range of (sequence, kv head) work items */
-    int max_seq_len;
 } Job;
 
 /* One (sequence, kv head) item. Inlined with a constant head size D so that every loop over D
@@ -115,48 +112,31 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
     }
 }
 
-static void *run_job(void *arg) {
-    const Job *j = (const Job *)arg;
-    const int d = j->head_dim, group = j->num_heads / j->num_kv_heads;
-    float *qf = malloc(sizeof(float) * (size_t)group * d);
-    float *acc = malloc(sizeof(float) * (size_t)group * d);
-    float *scores = malloc(sizeof(float) * (size_t)group * (j->max_seq_len > 0 ? j->max_seq_len : 1));
-    for (int item = j->begin; item < j->end; item++) {
-        /* Common head sizes get their own unrolled copy; others use the generic one. */
-        if (d == 64) attend_item(j, item, 64, qf, acc, scores);
-        else if (d == 128) attend_item(j, item, 128, qf, acc, scores);
-        else attend_item(j, item, d, qf, acc, scores);
-    }
-    free(qf); free(acc); free(scores);
-    return NULL;
-}
-
 int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
                            const int32_t *block_tables, const int32_t *seq_lens, void *out,
                            int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                           int block_size, int max_blocks, float scale, int dtype, int num_threads) {
-    const int items = num_seqs * num_kv_heads;
-    int max_len = 0;
+                           int block_size, int max_blocks, float scale, int dtype) {
+    const int items = num_seqs * num_kv_heads, d = head_dim, group = num_heads / num_kv_heads;
+    int max_len = 1;
     for (int s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
-    if (num_threads < 1) num_threads = 1;
-    if (num_threads > items) num_threads = items > 0 ? items : 1;
-    if (num_threads > 64) num_threads = 64;
-    Job jobs[64];
-    pthread_t threads[64];
-    for (int i = 0; i < num_threads; i++) {
-        jobs[i] = (Job){q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads,
-                        num_kv_heads, head_dim, block_size, max_blocks, dtype, scale,
-                        (int)((long)items * i / num_threads), (int)((long)items * (i + 1) / num_threads),
-                        max_len};
+    const Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads,
+                     num_kv_heads, head_dim, block_size, max_blocks, dtype, scale};
+    /* OpenMP resolves to the libgomp torch already loaded (same soname), so this loop runs on
+     * torch's own worker threads: a second thread pool would fight torch's spinning workers
+     * for the cores. */
+#pragma omp parallel
+    {
+        float *qf = malloc(sizeof(float) * (size_t)group * d);
+        float *acc = malloc(sizeof(float) * (size_t)group * d);
+        float *scores = malloc(sizeof(float) * (size_t)group * max_len);
+#pragma omp for schedule(static)
+        for (int item = 0; item < items; item++) {
+            /* Common head sizes get their own unrolled copy; others use the generic one. */
+            if (d == 64) attend_item(&job, item, 64, qf, acc, scores);
+            else if (d == 128) attend_item(&job, item, 128, qf, acc, scores);
+            else attend_item(&job, item, d, qf, acc, scores);
+        }
+        free(qf); free(acc); free(scores);
     }
-    /* The calling thread takes the first share; the others run in fresh threads. */
-    int started = 0;
-    for (int i = 1; i < num_threads; i++) {
-        if (pthread_create(&threads[i], NULL, run_job, &jobs[i]) != 0) break;
-        started = i;
-    }
-    run_job(&jobs[0]);
-    for (int i = started + 1; i < num_threads; i++) run_job(&jobs[i]); /* creation failed: do it here */
-    for (int i = 1; i <= started; i++) pthread_join(threads[i], NULL);
     return 0;
 }
