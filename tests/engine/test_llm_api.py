@@ -132,3 +132,34 @@ def test_words_roundtrip_through_incremental_detokenization(make_llm, tiny_model
     tok = llm.get_tokenizer()
     assert out.text.strip() == tok.decode(out.token_ids, skip_special_tokens=True).strip()
     assert all(w in WORDS or w.startswith("<") for w in out.text.split())
+
+
+def test_an_output_processing_error_fails_that_request_only(make_llm, tiny_model_dir, monkeypatch):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
+    engine = llm.engine
+    process_tokens = engine.output_processor.process_tokens
+
+    def failing(state, *args, **kwargs):
+        if state.request.request_id == "bad" and state.request.num_output_tokens >= 2:
+            raise RuntimeError("detokenizer exploded")
+        return process_tokens(state, *args, **kwargs)
+
+    monkeypatch.setattr(engine.output_processor, "process_tokens", failing)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    engine.add_request("bad", "one two", params)
+    engine.add_request("good", "three four", params)
+    finished, failed = {}, {}
+    while engine.has_unfinished_requests():
+        finished.update((o.request_id, o) for o in engine.step() if o.finished)
+        failed.update(engine.take_failed_requests())
+    assert list(failed) == ["bad"] and "exploded" in str(failed["bad"])
+    assert list(finished) == ["good"] and len(finished["good"].outputs[0].token_ids) == 5
+    assert engine.states == {}
+
+    def always_failing(state, *args, **kwargs):
+        raise ValueError("boom")
+
+    # Offline, the failure surfaces as an exception and the batch's other requests are aborted.
+    monkeypatch.setattr(engine.output_processor, "process_tokens", always_failing)
+    with pytest.raises(RuntimeError, match="processing the output of request .* failed"):
+        llm.generate(["one", "two"], SamplingParams(max_tokens=3), use_tqdm=False)

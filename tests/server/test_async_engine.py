@@ -78,7 +78,7 @@ def test_leaving_the_stream_early_aborts(clean):
 
 
 def test_output_processing_error_fails_only_that_request(clean, monkeypatch):
-    processor = clean.core.output_processor.inner
+    processor = clean.core.output_processor
     process_tokens = processor.process_tokens
 
     def failing(state, *args, **kwargs):

@@ -25,9 +25,9 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Union
 
 from tokenweir.config import EngineArgs
 from tokenweir.engine.core import EngineCore
-from tokenweir.engine.output import OutputProcessor, OutputState, RequestOutput
+from tokenweir.engine.output import RequestOutput
 from tokenweir.metrics import EngineMetrics, StatsLogger
-from tokenweir.request import Request, SamplingParams
+from tokenweir.request import SamplingParams
 
 logger = logging.getLogger("tokenweir")
 
@@ -123,31 +123,6 @@ class RequestStream:
         raise self._error
 
 
-class _IsolatingOutputProcessor:
-    """Wraps EngineCore's OutputProcessor so that an exception in one request's output
-    processing (detokenization, stop strings) fails that request alone: the error is recorded,
-    the step completes for the others, and the async engine then aborts the request (freeing its
-    blocks) and fails its stream."""
-
-    def __init__(self, inner: OutputProcessor, failures: dict[str, BaseException]) -> None:
-        self.inner = inner
-        self.failures = failures
-
-    def new_state(self, request: Request, prompt: Optional[str]) -> OutputState:
-        return self.inner.new_state(request, prompt)
-
-    def process_tokens(self, state: OutputState, num_new_tokens: int,
-                       logprobs: Optional[tuple[float, list[tuple[int, float]]]] = None) -> bool:
-        try:
-            return self.inner.process_tokens(state, num_new_tokens, logprobs)
-        except Exception as e:  # one request's failure must not fail the step
-            self.failures.setdefault(state.request.request_id, e)
-            return False
-
-    def make_output(self, state: OutputState) -> RequestOutput:
-        return self.inner.make_output(state)
-
-
 @dataclass
 class _Add:
     stream: RequestStream
@@ -180,7 +155,6 @@ class _EngineSide:
 
     streams: dict[str, RequestStream] = field(default_factory=dict)
     progress: dict[str, _Progress] = field(default_factory=dict)
-    failures: dict[str, BaseException] = field(default_factory=dict)
 
 
 class AsyncLLMEngine:
@@ -199,7 +173,6 @@ class AsyncLLMEngine:
         self._stats_logger = StatsLogger(stats_interval_s, time.time()) if log_stats else None
         self._idle_wait_s = stats_interval_s if log_stats else None
         self._side = _EngineSide()
-        core.output_processor = _IsolatingOutputProcessor(core.output_processor, self._side.failures)
         self._commands: queue.SimpleQueue[Union[_Add, _Abort, _Shutdown]] = queue.SimpleQueue()
         # Held while checking for death and queueing, and while dying and draining the queue,
         # so that no command is queued after the last drain.
@@ -398,22 +371,19 @@ class AsyncLLMEngine:
         except Exception as e:
             in_flight = list(side.streams.keys() | self.core.states.keys())
             logger.exception("engine step failed; failing the %d requests in flight", len(in_flight))
-            side.failures.clear()
+            self.core.take_failed_requests()
             self._fail_requests(in_flight, RequestFailedError(f"engine step failed: {e!r}"))
             return
         now = time.time()
         if self.core.last_scheduler_output is not None:
             self.metrics.record_iteration(self.core.last_scheduler_output.total_num_scheduled_tokens)
         for output in outputs:
-            if output.request_id not in side.failures:
-                self._deliver(output, now)
-        if side.failures:
-            for rid, error in list(side.failures.items()):
-                logger.error("output processing of request %s failed: %r", rid, error)
-                failed = RequestFailedError(f"output processing failed: {error!r}")
-                failed.__cause__ = error
-                self._fail_requests([rid], failed)
-            side.failures.clear()
+            self._deliver(output, now)
+        for rid, error in self.core.take_failed_requests().items():
+            logger.error("output processing of request %s failed: %r", rid, error)
+            failed = RequestFailedError(f"output processing failed: {error!r}")
+            failed.__cause__ = error
+            self._fail_requests([rid], failed)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         """Count the output's new tokens and hand it to its stream (metrics first, so that a

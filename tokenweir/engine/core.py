@@ -54,7 +54,8 @@ class EngineCore:
         self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, args.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.states: dict[str, OutputState] = {}
-        self.last_scheduler_output: Optional[SchedulerOutput] = None  # for invariant checks
+        self.last_scheduler_output: Optional[SchedulerOutput] = None  # for metrics and checks
+        self._failed: dict[str, Exception] = {}
         num_tokens = num_blocks * args.block_size
         logger.info("model %s (%s, %s on %s)", self.served_model_name, self.loaded.path,
                     str(self.loaded.dtype).removeprefix("torch."), self.loaded.device)
@@ -123,21 +124,33 @@ class EngineCore:
         stopped = []
         for update in updates:
             rid = update.request.request_id
-            state = self.states[rid]
-            if self.output_processor.process_tokens(state, len(update.new_token_ids),
-                                                    runner_output.logprobs.get(rid)):
-                stopped.append(rid)
+            try:
+                if self.output_processor.process_tokens(self.states[rid], len(update.new_token_ids),
+                                                        runner_output.logprobs.get(rid)):
+                    stopped.append(rid)
+            except Exception as e:  # one request's output failing must not fail the others
+                self._failed[rid] = e
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED, now)
+        if self._failed:
+            self.scheduler.abort_requests(list(self._failed), now)
         outputs = []
         for update in updates:
             rid = update.request.request_id
-            state = self.states[rid]
-            outputs.append(self.output_processor.make_output(state))
+            if rid in self._failed:
+                self.states.pop(rid, None)
+                continue
+            outputs.append(self.output_processor.make_output(self.states[rid]))
             if update.request.is_finished:
                 del self.states[rid]
         self.last_scheduler_output = scheduler_output
         return outputs
+
+    def take_failed_requests(self) -> dict[str, Exception]:
+        """Requests whose output processing raised since the last call: already aborted (blocks
+        freed) and left out of step()'s outputs; the caller reports the errors."""
+        failed, self._failed = self._failed, {}
+        return failed
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

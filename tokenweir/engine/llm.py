@@ -100,6 +100,11 @@ class LLM:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
+                failed = engine.take_failed_requests()
+                if failed:
+                    engine.abort_requests(ids)
+                    rid, error = next(iter(failed.items()))
+                    raise RuntimeError(f"processing the output of request {rid} failed: {error!r}") from error
         return [finished[rid] for rid in ids]
 
     def get_stats(self) -> SchedulerStats:
