@@ -161,9 +161,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
 
