@@ -1,0 +1,29 @@
+"""The command line: flags named as in vLLM, and `tokenweir generate` on the default model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tokenweir.cli import build_parser, engine_args_from
+
+
+def test_engine_flags_follow_vllm_names():
+    ns = build_parser().parse_args([
+        "serve", "--max-num-batched-tokens", "512", "--max-num-seqs", "8", "--block-size", "32",
+        "--no-enable-prefix-caching", "--scheduling-policy", "priority", "--max-model-len", "1024",
+        "--kv-cache-memory", "1GiB", "--port", "9001", "--api-key", "k", "--max-waiting-requests", "4"])
+    args = engine_args_from(ns)
+    assert (args.max_num_batched_tokens, args.max_num_seqs, args.block_size) == (512, 8, 32)
+    assert args.enable_prefix_caching is False and args.scheduling_policy == "priority"
+    assert args.max_model_len == 1024 and args.kv_cache_bytes() == 1024**3 and args.model is None
+    assert (ns.port, ns.api_key, ns.max_waiting_requests, ns.host) == (9001, "k", 4, "127.0.0.1")
+
+
+def test_generate_prints_a_completion_from_the_default_model():
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenweir.cli", "generate", "What is the capital of France?",
+         "--max-tokens", "12", "--num-gpu-blocks-override", "64"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
