@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenweir.model.attention import AttentionMetadata, paged_attention
+from tokenweir.model.linear import Linear
 
 
 @dataclass(frozen=True)
@@ -121,6 +122,21 @@ class DecoderLayer(nn.Module):
         self.gate_up_weight = _param(2 * arch.intermediate_size, h, dtype=dtype, device=device)
         self.down_weight = _param(h, arch.intermediate_size, dtype=dtype, device=device)
 
+    def finalize_weights(self) -> None:
+        """Wrap the loaded weights for the forward pass, prepacked where that pays.
+
+        A prepacked weight is a copy in another layout: the plain parameter is then released
+        (emptied) so that the weights are not held twice.
+        """
+        linears = {"qkv": ("qkv_weight", "qkv_bias"), "o_proj": ("o_weight", "o_bias"),
+                   "gate_up": ("gate_up_weight", None), "down": ("down_weight", None)}
+        for name, (weight_name, bias_name) in linears.items():
+            weight = getattr(self, weight_name)
+            linear = Linear(weight, getattr(self, bias_name) if bias_name else None)
+            if linear.packed:
+                setattr(self, weight_name, _param(0, dtype=weight.dtype, device=weight.device))
+            setattr(self, name, linear)
+
     def forward(
         self,
         hidden: torch.Tensor,
@@ -132,15 +148,15 @@ class DecoderLayer(nn.Module):
         t = hidden.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         x = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x)
         qk = apply_rope(qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d), cos, sin)
         v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)
         attn = paged_attention(qk[:, :nh], qk[:, nh:], v, kv_cache, meta)
-        hidden = hidden + F.linear(attn, self.o_weight, self.o_bias)
+        hidden = hidden + self.o_proj(attn)
 
         x = rms_norm(hidden, self.post_norm, self.eps)
-        gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        return hidden + F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(F.silu(gate) * up)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -156,6 +172,7 @@ class LlamaForCausalLM(nn.Module):
             if arch.tie_word_embeddings
             else _param(arch.vocab_size, arch.hidden_size, dtype=dtype, device=device)
         )
+        self.lm_head_linear: Linear | None = None  # set once the weights are loaded
         # cos/sin for every position, computed in float32 then cast like HF does.
         freqs = torch.outer(torch.arange(arch.max_position_embeddings, dtype=torch.float32), rope_inv_freq(arch))
         half = freqs.shape[-1]
@@ -184,11 +201,14 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab] (computed in the model dtype, as HF does)."""
-        return F.linear(hidden, self.lm_head).float()
+        assert self.lm_head_linear is not None, "load_weights first"
+        return self.lm_head_linear(hidden).float()
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up; raise on missing or unknown names."""
+        if self.lm_head_linear is not None:
+            raise RuntimeError("the weights are already loaded (they may have been repacked)")
         arch = self.arch
         used: set[str] = set()
 
@@ -223,3 +243,6 @@ class LlamaForCausalLM(nn.Module):
         ]
         if unknown:
             raise ValueError(f"unexpected weights in the checkpoint: {sorted(unknown)[:8]}")
+        for layer in self.layers:
+            layer.finalize_weights()
+        self.lm_head_linear = Linear(self.lm_head)

@@ -1,0 +1,30 @@
+"""Prepacked linear layers give exactly what F.linear gives."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenweir.model.linear import Linear, can_prepack
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_prepacked_bf16_is_bit_identical(rows, with_bias):
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN is not available in this torch build")
+    torch.manual_seed(0)
+    weight = torch.randn(96, 48, dtype=torch.bfloat16)
+    bias = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
+    linear = Linear(weight, bias)
+    assert linear.packed
+    x = torch.randn(rows, 48, dtype=torch.bfloat16)
+    assert torch.equal(linear(x), F.linear(x, weight, bias))
+
+
+def test_float32_is_not_prepacked():
+    # fp32 stays on F.linear, the kernel transformers uses, so greedy fp32 output is token-exact.
+    weight = torch.randn(8, 4)
+    assert not can_prepack(weight)
+    linear = Linear(weight)
+    x = torch.randn(3, 4)
+    assert torch.equal(linear(x), F.linear(x, weight))

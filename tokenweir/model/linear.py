@@ -1,0 +1,41 @@
+"""Linear layers whose weights are prepacked once for the CPU's matmul library.
+
+On the CPU in bfloat16, `F.linear` hands a plain row-major weight to oneDNN, which reorders it
+into its blocked layout on every call. For the few rows of a decode step that copy costs about
+as much as the multiply itself: packing the weight once at load makes decode-sized matmuls
+1.2-1.9x faster here, with bit-identical results (same oneDNN kernel, same summation order).
+
+Float32 keeps `F.linear` (MKL's sgemm, the path transformers takes on the CPU) so that greedy
+fp32 output stays token-exact against transformers; CUDA keeps `F.linear` too (cuBLAS).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# oneDNN picks its blocking from an expected row count; decode batches are this order of size,
+# and the choice barely matters for prefill-sized inputs (measured within noise).
+_EXPECTED_ROWS = 64
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available())
+
+
+class Linear:
+    """y = x @ weight.T (+ bias), prepacked when `can_prepack(weight)`."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        self.bias = bias
+        self.packed = can_prepack(weight)
+        self.weight = (torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _EXPECTED_ROWS)
+                       if self.packed else weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
