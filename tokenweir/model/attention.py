@@ -4,10 +4,12 @@ One step's inputs are a flattened varlen batch: the scheduled tokens of all requ
 concatenated. Each layer writes its new K/V into the paged cache and then lets every
 request's queries attend over that request's whole context, read through its block table.
 
-Requests with one query token (decodes) are attended together in a single SDPA call over a
-padded batch; requests with a chunk of several tokens (prefills) get one call each. Everything
-that depends only on the step (gather indices, masks, slices) is computed once in
-`AttentionMetadata.build`, not in each of the model's layers.
+On the CPU two C kernels (`tokenweir.model.kernels`) do this straight from the paged cache: one
+for all the step's one-token queries (decodes), one for all its multi-token chunks (prefills).
+Elsewhere, or without a C compiler, torch does it: decodes in a single SDPA call over a padded
+batch, each prefill chunk in its own call. Everything that depends only on the step (gather
+indices, masks, the kernels' int32 tables) is computed once in `AttentionMetadata.build`, not
+in each of the model's layers.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenweir.model import kernels
-from tokenweir.model.kernels import decode_kernel_available
+from tokenweir.model.kernels import kernels_available, prefill_kernel_available
 
 if TYPE_CHECKING:
     from tokenweir.model.llama import ModelArchConfig
@@ -60,6 +62,16 @@ class PrefillChunk:
 
 
 @dataclass
+class PrefillBatch:
+    """All prefill chunks of the step as int32 tensors, for the C prefill kernel (one call)."""
+
+    chunk_starts: torch.Tensor  # [num_chunks]: first row of each chunk in the flattened batch
+    chunk_lens: torch.Tensor  # [num_chunks]
+    seq_lens: torch.Tensor  # [num_chunks]
+    block_tables: torch.Tensor  # [num_chunks, max_blocks], padded with 0
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T]: cache slot of each new token's K/V
     query_start_loc: torch.Tensor  # int32 [B+1]
@@ -70,6 +82,7 @@ class AttentionMetadata:
     block_size: int
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
+    prefill_batch: PrefillBatch | None
     # Masks converted to the model's dtype, filled on first use: SDPA wants a float mask in
     # the query's dtype, and the dtype is a property of the model, not of the step.
     _float_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
@@ -88,6 +101,7 @@ class AttentionMetadata:
         slots: list[int] = []
         starts = [0]
         decode_rows: list[int] = []
+        prefill_rows: list[int] = []
         prefills: list[PrefillChunk] = []
         for r, (qlen, slen, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
             if qlen < 1 or slen < qlen:
@@ -101,6 +115,7 @@ class AttentionMetadata:
             if qlen == 1:
                 decode_rows.append(r)
             else:
+                prefill_rows.append(r)
                 prefills.append(_prefill_chunk(start, qlen, slen, table, block_size, device))
 
         max_blocks = max(len(t) for t in block_tables)
@@ -115,6 +130,7 @@ class AttentionMetadata:
             block_size=block_size,
             decode=_decode_batch(decode_rows, starts, seq_lens, block_tables, block_size, device),
             prefills=prefills,
+            prefill_batch=_prefill_batch(prefill_rows, starts, query_lens, seq_lens, block_tables, device),
         )
 
     def float_mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -139,6 +155,29 @@ def _prefill_chunk(
     mask = key_pos[None, :] <= query_pos[:, None]
     block_ids = torch.tensor(table[:nblocks], dtype=torch.int64, device=device)
     return PrefillChunk(start, start + qlen, slen, block_ids, mask)
+
+
+def _prefill_batch(
+    rows: list[int],
+    starts: list[int],
+    query_lens: list[int],
+    seq_lens: list[int],
+    block_tables: list[list[int]],
+    device: torch.device | str,
+) -> PrefillBatch | None:
+    if not rows:
+        return None
+    width = max(len(block_tables[r]) for r in rows)
+
+    def int32(values: list) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32, device=device)
+
+    return PrefillBatch(
+        chunk_starts=int32([starts[r] for r in rows]),
+        chunk_lens=int32([query_lens[r] for r in rows]),
+        seq_lens=int32([seq_lens[r] for r in rows]),
+        block_tables=int32([block_tables[r] + [0] * (width - len(block_tables[r])) for r in rows]),
+    )
 
 
 def _decode_batch(
@@ -209,19 +248,24 @@ def paged_attention(
         # Pure decode step: the decode tokens are the whole batch, in order.
         return _decode_attention(q, kv_cache, decode, meta)
 
-    out = q.new_empty(num_tokens, num_heads * d)
+    out = q.new_empty(num_tokens, num_heads, d)
     if decode is not None:
-        out[decode.tokens] = _decode_attention(q[decode.tokens], kv_cache, decode, meta)
-    for chunk in meta.prefills:
-        out[chunk.start : chunk.end] = _prefill_attention(q, k, v, kv_cache, chunk, meta)
-    return out
+        out[decode.tokens] = _decode_attention(q[decode.tokens], kv_cache, decode, meta).view(-1, num_heads, d)
+    if meta.prefill_batch is not None and prefill_kernel_available(q.device, q.dtype, d):
+        batch = meta.prefill_batch
+        kernels.paged_prefill_attention(q, kv_cache[0], kv_cache[1], out, batch.block_tables, batch.chunk_starts,
+                                        batch.chunk_lens, batch.seq_lens, d**-0.5)
+    else:
+        for chunk in meta.prefills:
+            out[chunk.start : chunk.end] = _prefill_attention(q, k, v, kv_cache, chunk, meta).view(-1, num_heads, d)
+    return out.view(num_tokens, num_heads * d)
 
 
 def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch, meta: AttentionMetadata
 ) -> torch.Tensor:
     num_seqs, num_heads, d = q.shape
-    if decode_kernel_available(q.device, q.dtype):
+    if kernels_available(q.device, q.dtype):
         out = kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], decode.block_tables,
                                              decode.seq_lens, d**-0.5)
         return out.view(num_seqs, num_heads * d)

@@ -71,11 +71,19 @@ def _library() -> Optional[ctypes.CDLL]:
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn = lib.paged_prefill_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
-def decode_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+def kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in _DTYPES and _library() is not None
+
+
+def prefill_kernel_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    # The prefill kernel works in 16-lane vectors over head_dim.
+    return head_dim % 16 == 0 and kernels_available(device, dtype)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -96,3 +104,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
         scale, _DTYPES[q.dtype])
     return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                            block_tables: torch.Tensor, chunk_starts: torch.Tensor, chunk_lens: torch.Tensor,
+                            seq_lens: torch.Tensor, scale: float) -> None:
+    """Causal attention of prefill chunks over their paged context, written into `out`'s rows.
+
+    q, out: [T, H, d] (q may be a row-strided view, e.g. a slice of the fused qkv output);
+    chunk c's queries are rows chunk_starts[c] .. + chunk_lens[c], the last chunk_lens[c] tokens
+    of a context of seq_lens[c] tokens whose K/V (this chunk's included) are already in the
+    cache. Other rows of `out` are left untouched. Index tensors are int32, block_tables
+    [num_chunks, max_blocks].
+    """
+    lib = _library()
+    assert lib is not None
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous() and q.dtype == out.dtype
+    lib.paged_prefill_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), chunk_starts.data_ptr(),
+        chunk_lens.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), chunk_starts.shape[0], num_heads,
+        num_kv_heads, head_dim, block_size, block_tables.shape[1], q.stride(0), num_heads * head_dim, scale,
+        _DTYPES[q.dtype])
