@@ -64,3 +64,34 @@ def test_prefill_kernel_matches_torch(torch_path, dtype, atol, heads, kv_heads, 
     got = paged_attention(q, k, v, cache.clone(), meta)
     expected = torch_path(lambda: paged_attention(q, k, v, cache.clone(), meta))
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
+
+
+def test_fused_elementwise_ops_equal_the_torch_path(torch_path):
+    """bf16 RMSNorm (+ residual), SwiGLU and RoPE kernels round where torch's ops do: equal values."""
+    from tokenweir.model.layers import RotaryEmbedding, rms_norm, silu_and_mul
+
+    gen = torch.Generator().manual_seed(2)
+    x = (torch.randn(37, 96, generator=gen) * 3).bfloat16()
+    residual = torch.randn(37, 96, generator=gen).bfloat16()
+    weight = torch.randn(96, generator=gen).bfloat16()
+    gate_up = (torch.randn(37, 2 * 80, generator=gen) * 4).bfloat16()
+    qkv = torch.randn(37, 7, 32, generator=gen).bfloat16()
+    positions = torch.randint(0, 500, (37,), generator=gen)
+    cos_table = torch.randn(512, 32, generator=gen).bfloat16()
+    sin_table = torch.randn(512, 32, generator=gen).bfloat16()
+
+    def run():
+        res = residual.clone()
+        normed = rms_norm(x, weight, 1e-5)
+        normed_sum = rms_norm(x, weight, 1e-5, res)
+        rotated = qkv.clone()
+        RotaryEmbedding(positions, cos_table, sin_table).apply_(rotated, 5)
+        return normed, normed_sum, res, silu_and_mul(gate_up), rotated
+
+    assert kernels.fused_ops_available(x)
+    got = run()
+    expected = torch_path(run)
+    for name, g, e in zip(["rms_norm", "rms_norm+residual", "residual", "silu_and_mul", "rope"], got, expected):
+        # Equal up to the float32 sum order inside the norm (one bf16 ulp at most).
+        torch.testing.assert_close(g.float(), e.float(), atol=0, rtol=2 ** -7, msg=name)
+    assert torch.equal(got[4][:, 5:], qkv[:, 5:])  # heads past num_heads (v) are untouched

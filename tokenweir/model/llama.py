@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) on plain torch ops with paged attention.
+"""Llama-family decoder (Llama, SmolLM2, Mistral, Qwen2) with paged attention.
 
 The numerics follow Hugging Face transformers' implementation (RMSNorm in float32, neox-style
 rotate-half RoPE, residual order), so that fp32 outputs agree to rounding. For speed the
-q/k/v projections are fused into one matmul and gate/up into another, and RoPE is applied to
-q and k together: at 30 layers the number of ops per layer matters as much as their size.
+q/k/v projections are fused into one matmul and gate/up into another, RoPE rotates q and k
+together in place, and each residual add is folded into the RMSNorm after it: at 30 layers the
+number of ops per layer matters as much as their size. On the CPU in bf16 the elementwise
+pieces and attention run as C kernels (`layers.py`, `attention.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenweir.model.attention import AttentionMetadata, paged_attention
+from tokenweir.model.layers import RotaryEmbedding, rms_norm, silu_and_mul
 from tokenweir.model.linear import Linear
 
 
@@ -82,23 +85,6 @@ def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # As HF: normalise in float32, cast back, then scale (the order matters in bf16).
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin_signed [T, 1, d] where sin_signed = cat(-sin_lo, sin_hi).
-
-    Equals HF's x * cos + rotate_half(x) * sin, with the sign folded into the cached table.
-    """
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + swapped * sin_signed
-
-
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     # Uninitialised: every parameter is overwritten by load_weights.
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device), requires_grad=False)
@@ -140,23 +126,28 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RotaryEmbedding,
         meta: AttentionMetadata,
         kv_cache: torch.Tensor,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(previous layer's output, residual stream) -> (this layer's output, residual stream).
+
+        The residual add is folded into the next RMSNorm (in place on `residual`); on the first
+        layer `hidden` is the embeddings and `residual` None.
+        """
         t = hidden.shape[0]
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        x = rms_norm(hidden, self.input_norm, self.eps)
-        qkv = self.qkv(x)
-        qk = apply_rope(qkv[:, : (nh + nkv) * d].view(t, nh + nkv, d), cos, sin)
-        v = qkv[:, (nh + nkv) * d :].view(t, nkv, d)
-        attn = paged_attention(qk[:, :nh], qk[:, nh:], v, kv_cache, meta)
-        hidden = hidden + self.o_proj(attn)
-
-        x = rms_norm(hidden, self.post_norm, self.eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return hidden + self.down(F.silu(gate) * up)
+        if residual is None:
+            residual = hidden
+            x = rms_norm(hidden, self.input_norm, self.eps)
+        else:
+            x = rms_norm(hidden, self.input_norm, self.eps, residual)
+        qkv = self.qkv(x).view(t, nh + 2 * nkv, d)
+        rope.apply_(qkv, nh + nkv)
+        attn = paged_attention(qkv[:, :nh], qkv[:, nh : nh + nkv], qkv[:, nh + nkv :], kv_cache, meta)
+        x = rms_norm(self.o_proj(attn), self.post_norm, self.eps, residual)
+        return self.down(silu_and_mul(self.gate_up(x))), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -192,11 +183,11 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Flattened varlen batch [T] -> final hidden states [T, hidden] (after the last norm)."""
         hidden = F.embedding(input_ids, self.embed_tokens)
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        residual = None
+        rope = RotaryEmbedding(positions, self.rope_cos, self.rope_sin)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, attn_metadata, kv_cache)
-        return rms_norm(hidden, self.norm, self.arch.rms_norm_eps)
+            hidden, residual = layer(hidden, residual, rope, attn_metadata, kv_cache)
+        return rms_norm(hidden, self.norm, self.arch.rms_norm_eps, residual)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,9 @@ import torch
 
 logger = logging.getLogger("tokenweir")
 
-_SOURCE = Path(__file__).with_name("paged_attention.c")
+_DIR = Path(__file__).parent
+_SOURCES = sorted(_DIR.glob("*.c"))
+_HEADERS = sorted(_DIR.glob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-shared", "-fPIC", "-fopenmp"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -39,16 +41,16 @@ def _cpu_signature() -> str:
 
 
 def _build(compiler: str) -> Path:
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
     root = Path(os.environ.get("TOKENWEIR_CACHE_DIR", Path.home() / ".cache" / "tokenweir")) / "kernels"
-    target = root / f"paged_attention-{key}.so"
+    target = root / f"tokenweir_kernels-{key}.so"
     if target.exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, "-o", str(built), str(_SOURCE), "-lm"], check=True,
+        subprocess.run([compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(built, target)  # atomic: concurrent builders never load a half-written file
     return target
@@ -60,13 +62,13 @@ def _library() -> Optional[ctypes.CDLL]:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: using the slower pure-torch decode attention")
+        logger.warning("no C compiler found: using the slower pure-torch attention and elementwise ops")
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
-        logger.warning("building the C attention kernel failed (%s): using pure torch", detail.strip()[:500])
+        logger.warning("building the C kernels failed (%s): using pure torch", detail.strip()[:500])
         return None
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
@@ -74,6 +76,12 @@ def _library() -> Optional[ctypes.CDLL]:
     fn = lib.paged_prefill_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.rms_norm_bf16.restype = None
+    lib.rms_norm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
+    lib.silu_and_mul_bf16.restype = None
+    lib.silu_and_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    lib.rope_bf16.restype = None
+    lib.rope_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     return lib
 
 
@@ -127,3 +135,39 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         chunk_lens.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), chunk_starts.shape[0], num_heads,
         num_kv_heads, head_dim, block_size, block_tables.shape[1], q.stride(0), num_heads * head_dim, scale,
         _DTYPES[q.dtype])
+
+
+def fused_ops_available(x: torch.Tensor) -> bool:
+    """The fused elementwise kernels take contiguous bf16 CPU tensors."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16 and _library() is not None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """RMSNorm of x, or of residual + x with the sum stored back into `residual` (in place)."""
+    lib = _library()
+    assert lib is not None and x.is_contiguous() and (residual is None or residual.is_contiguous())
+    out = torch.empty_like(x)
+    lib.rms_norm_bf16(x.data_ptr(), residual.data_ptr() if residual is not None else None, weight.data_ptr(),
+                      out.data_ptr(), x.shape[0], x.shape[1], eps)
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: silu(gate) * up."""
+    lib = _library()
+    assert lib is not None and gate_up.is_contiguous()
+    out = gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+    lib.silu_and_mul_bf16(gate_up.data_ptr(), out.data_ptr(), out.shape[0], out.shape[1])
+    return out
+
+
+def rope_(x: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> None:
+    """Rotate the first `num_heads` heads of each row of x [T, *, head_dim] in place.
+
+    cos / sin_signed: [max_positions, head_dim] tables; positions: int64 [T].
+    """
+    lib = _library()
+    assert lib is not None and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    assert positions.dtype == torch.int64 and cos.is_contiguous() and sin_signed.is_contiguous()
+    lib.rope_bf16(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), x.shape[0],
+                  x.stride(0), num_heads, x.shape[2])
