@@ -1,4 +1,4 @@
-"""The C decode-attention kernel equals the pure-torch paged attention path."""
+"""The C kernels (paged attention, K/V writes, fused elementwise ops) equal the pure-torch path."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenweir.model import kernels
-from tokenweir.model.attention import AttentionMetadata, _decode_attention, paged_attention
+from tokenweir.model.attention import AttentionMetadata, paged_attention
 
 pytestmark = pytest.mark.skipif(kernels._library() is None, reason="no C compiler to build the kernel")
 
@@ -27,42 +27,29 @@ def torch_path(monkeypatch):
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
-    (9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 32, 4), (6, 1, 48, 16)])
-def test_kernel_matches_torch(torch_path, dtype, atol, heads, kv_heads, head_dim, block_size):
-    gen = torch.Generator().manual_seed(0)
-    num_blocks = 200
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    lens = [1, 5, block_size, block_size + 1, 97, 300]
-    tables = [torch.randperm(num_blocks, generator=gen)[: -(-n // block_size)].tolist() for n in lens]
-    meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size)
-    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
-    assert kernels.kernels_available(q.device, q.dtype)
-    got = _decode_attention(q, cache, meta.decode, meta)
-    expected = torch_path(lambda: _decode_attention(q, cache, meta.decode, meta))
-    torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
-
-
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
     (9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 32, 4), (6, 1, 48, 32)])
-def test_prefill_kernel_matches_torch(torch_path, dtype, atol, heads, kv_heads, head_dim, block_size):
-    """Mixed step: whole prompts, chunks continuing a context, and decodes between them."""
+@pytest.mark.parametrize("shapes", [
+    # (query_len, seq_len) per request: a 1 is a decode; q < s a chunk continuing a cached context.
+    [(1, 1), (1, 5), (1, 16), (1, 17), (1, 97), (1, 300)],
+    [(37, 37), (1, 50), (64, 200), (1, 5), (3, 3), (100, 100), (17, 33)],
+], ids=["decodes", "mixed"])
+def test_attention_kernel_matches_torch(torch_path, dtype, atol, heads, kv_heads, head_dim, block_size, shapes):
     gen = torch.Generator().manual_seed(1)
     num_blocks = 300
-    # (query_len, seq_len): a 1 is a decode; q < s is a chunk continuing a cached context.
-    shapes = [(37, 37), (1, 50), (64, 200), (1, 5), (3, 3), (100, 100), (17, 17 + block_size)]
     # Disjoint tables in random order, as the block pool hands them out.
     free = iter(torch.randperm(num_blocks, generator=gen).tolist())
     tables = [[next(free) for _ in range(-(-s // block_size))] for _, s in shapes]
     meta = AttentionMetadata.build([q for q, _ in shapes], [s for _, s in shapes], tables, block_size)
     total = sum(q for q, _ in shapes)
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
-    # q as the model passes it: a row-strided slice of a fused qkv tensor.
+    cache = torch.randn(2, num_blocks, kv_heads, block_size * head_dim, generator=gen).to(dtype)
+    # q/k/v as the model passes them: row-strided slices of a fused qkv tensor.
     qkv = torch.randn(total, heads + 2 * kv_heads, head_dim, generator=gen).to(dtype)
     q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
-    assert kernels.prefill_kernel_available(q.device, q.dtype, head_dim)
-    got = paged_attention(q, k, v, cache.clone(), meta)
-    expected = torch_path(lambda: paged_attention(q, k, v, cache.clone(), meta))
+    assert kernels.attention_kernel_available(q.device, q.dtype, head_dim) == (head_dim % 16 == 0)
+    kernel_cache, torch_cache = cache.clone(), cache.clone()
+    got = paged_attention(q, k, v, kernel_cache, meta)
+    expected = torch_path(lambda: paged_attention(q, k, v, torch_cache, meta))
+    assert torch.equal(kernel_cache, torch_cache)  # both wrote this step's K/V to the same places
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
 
 

@@ -151,7 +151,7 @@ def test_kv_cache_helpers(models):
     arch = loaded.arch
     caches = allocate_kv_caches(arch, 10, 16, torch.bfloat16, "cpu")
     assert len(caches) == arch.num_hidden_layers
-    assert caches[0].shape == (2, 10, 16, arch.num_key_value_heads, arch.head_dim)
+    assert caches[0].shape == (2, 10, arch.num_key_value_heads, 16 * arch.head_dim)
     per_block = kv_cache_bytes_per_block(arch, 16, torch.bfloat16)
     assert per_block * 10 == sum(c.numel() * c.element_size() for c in caches)
 

@@ -1,15 +1,19 @@
-"""Paged attention on plain torch ops (CPU first; the same code runs on CUDA).
+"""Paged attention: the KV cache layout, the step's attention metadata, and attention itself.
 
 One step's inputs are a flattened varlen batch: the scheduled tokens of all requests
 concatenated. Each layer writes its new K/V into the paged cache and then lets every
 request's queries attend over that request's whole context, read through its block table.
 
-On the CPU two C kernels (`tokenweir.model.kernels`) do this straight from the paged cache: one
-for all the step's one-token queries (decodes), one for all its multi-token chunks (prefills).
-Elsewhere, or without a C compiler, torch does it: decodes in a single SDPA call over a padded
-batch, each prefill chunk in its own call. Everything that depends only on the step (gather
-indices, masks, the kernels' int32 tables) is computed once in `AttentionMetadata.build`, not
-in each of the model's layers.
+On the CPU one C kernel (`tokenweir.model.kernels`) does this for all requests of the step at
+once, decodes and prefill chunks alike, straight from the paged cache. Elsewhere (CUDA), or
+without a C compiler, torch does it: decodes in a single SDPA call over a padded batch, each
+prefill chunk in its own call. Everything that depends only on the step (index tensors, masks)
+is computed once in `AttentionMetadata.build`, not in each of the model's layers.
+
+Cache layout: one tensor per layer, [2, num_blocks, kv_heads, block_size * head_dim]. Within a
+block, each KV head's keys are stored transposed, [head_dim, block_size], and its values as rows,
+[block_size, head_dim]: the kernel's score loop then reads, for every component, a contiguous
+run of keys (see paged_attention.c). `key_cache` / `value_cache` give the two views.
 """
 
 from __future__ import annotations
@@ -21,15 +25,26 @@ import torch
 import torch.nn.functional as F
 
 from tokenweir.model import kernels
-from tokenweir.model.kernels import kernels_available, prefill_kernel_available
 
 if TYPE_CHECKING:
     from tokenweir.model.llama import ModelArchConfig
 
 
+def key_cache(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The layer's keys as [num_blocks, kv_heads, head_dim, block_size]."""
+    _, num_blocks, kvh, width = kv_cache.shape
+    return kv_cache[0].view(num_blocks, kvh, head_dim, width // head_dim)
+
+
+def value_cache(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """The layer's values as [num_blocks, kv_heads, block_size, head_dim]."""
+    _, num_blocks, kvh, width = kv_cache.shape
+    return kv_cache[1].view(num_blocks, kvh, width // head_dim, head_dim)
+
+
 @dataclass
 class DecodeBatch:
-    """All one-token queries of the step, attended in one padded SDPA call."""
+    """All one-token queries of the step, for the torch path's single padded SDPA call."""
 
     # Where the decode tokens lie in the flattened batch: a slice when they are contiguous
     # (the common layout), else an index tensor.
@@ -41,15 +56,11 @@ class DecodeBatch:
     max_seq_len: int
     # True where a key position lies inside the request's context, [num_decodes, 1, 1, S].
     key_mask: torch.Tensor
-    # For the C kernel, which reads the cache through the tables directly: int32 [n, num_blocks]
-    # and int32 [n].
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
 
 
 @dataclass
 class PrefillChunk:
-    """One request's chunk of several query tokens."""
+    """One request's chunk of several query tokens (torch path)."""
 
     start: int
     end: int
@@ -62,19 +73,10 @@ class PrefillChunk:
 
 
 @dataclass
-class PrefillBatch:
-    """All prefill chunks of the step as int32 tensors, for the C prefill kernel (one call)."""
-
-    chunk_starts: torch.Tensor  # [num_chunks]: first row of each chunk in the flattened batch
-    chunk_lens: torch.Tensor  # [num_chunks]
-    seq_lens: torch.Tensor  # [num_chunks]
-    block_tables: torch.Tensor  # [num_chunks, max_blocks], padded with 0
-
-
-@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # int64 [T]: cache slot of each new token's K/V
     query_start_loc: torch.Tensor  # int32 [B+1]
+    query_lens: torch.Tensor  # int32 [B]
     seq_lens: torch.Tensor  # int32 [B]: context length including this step's tokens
     block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with 0
     query_lens_list: list[int]
@@ -82,7 +84,6 @@ class AttentionMetadata:
     block_size: int
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
-    prefill_batch: PrefillBatch | None
     # Masks converted to the model's dtype, filled on first use: SDPA wants a float mask in
     # the query's dtype, and the dtype is a property of the model, not of the step.
     _float_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
@@ -101,7 +102,6 @@ class AttentionMetadata:
         slots: list[int] = []
         starts = [0]
         decode_rows: list[int] = []
-        prefill_rows: list[int] = []
         prefills: list[PrefillChunk] = []
         for r, (qlen, slen, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
             if qlen < 1 or slen < qlen:
@@ -115,7 +115,6 @@ class AttentionMetadata:
             if qlen == 1:
                 decode_rows.append(r)
             else:
-                prefill_rows.append(r)
                 prefills.append(_prefill_chunk(start, qlen, slen, table, block_size, device))
 
         max_blocks = max(len(t) for t in block_tables)
@@ -123,6 +122,7 @@ class AttentionMetadata:
         return cls(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            query_lens=torch.tensor(query_lens, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
             query_lens_list=list(query_lens),
@@ -130,7 +130,6 @@ class AttentionMetadata:
             block_size=block_size,
             decode=_decode_batch(decode_rows, starts, seq_lens, block_tables, block_size, device),
             prefills=prefills,
-            prefill_batch=_prefill_batch(prefill_rows, starts, query_lens, seq_lens, block_tables, device),
         )
 
     def float_mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -155,29 +154,6 @@ def _prefill_chunk(
     mask = key_pos[None, :] <= query_pos[:, None]
     block_ids = torch.tensor(table[:nblocks], dtype=torch.int64, device=device)
     return PrefillChunk(start, start + qlen, slen, block_ids, mask)
-
-
-def _prefill_batch(
-    rows: list[int],
-    starts: list[int],
-    query_lens: list[int],
-    seq_lens: list[int],
-    block_tables: list[list[int]],
-    device: torch.device | str,
-) -> PrefillBatch | None:
-    if not rows:
-        return None
-    width = max(len(block_tables[r]) for r in rows)
-
-    def int32(values: list) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int32, device=device)
-
-    return PrefillBatch(
-        chunk_starts=int32([starts[r] for r in rows]),
-        chunk_lens=int32([query_lens[r] for r in rows]),
-        seq_lens=int32([seq_lens[r] for r in rows]),
-        block_tables=int32([block_tables[r] + [0] * (width - len(block_tables[r])) for r in rows]),
-    )
 
 
 def _decode_batch(
@@ -213,24 +189,33 @@ def _decode_batch(
         num_blocks=nblocks,
         max_seq_len=max_len,
         key_mask=key_mask[:, None, None, :],
-        block_tables=torch.tensor(flat, dtype=torch.int32, device=device).view(len(rows), nblocks),
-        seq_lens=lens_tensor,
     )
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's K/V [T, kv_heads, head_dim] at their slots of a layer's cache."""
-    _, num_blocks, block_size, kvh, d = kv_cache.shape
-    flat = kv_cache.view(2, num_blocks * block_size, kvh, d)
-    flat[0].index_copy_(0, slot_mapping, k)
-    flat[1].index_copy_(0, slot_mapping, v)
+    d = k.shape[-1]
+    keys, values = key_cache(kv_cache, d), value_cache(kv_cache, d)
+    if kernels.attention_kernel_available(k.device, k.dtype, d):
+        kernels.write_kv_cache(k, v, slot_mapping, keys, values)
+        return
+    block_size = keys.shape[3]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    keys[blocks, :, :, offsets] = k
+    values[blocks, :, offsets, :] = v
 
 
-def _gather_context(cache: torch.Tensor, block_ids: torch.Tensor, blocks_per_seq: int, seq_len: int) -> torch.Tensor:
-    """K or V of requests through their flattened block tables: [num_seqs, seq_len, kvh, d]."""
-    _, block_size, kvh, d = cache.shape
-    gathered = torch.index_select(cache, 0, block_ids)
-    return gathered.view(-1, blocks_per_seq * block_size, kvh, d)[:, :seq_len]
+def _gather_context(
+    kv_cache: torch.Tensor, block_ids: torch.Tensor, blocks_per_seq: int, seq_len: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of requests through their flattened block tables: each [num_seqs, kvh, seq_len, d]."""
+    keys = torch.index_select(key_cache(kv_cache, head_dim), 0, block_ids)  # [n * nb, kvh, d, bs]
+    values = torch.index_select(value_cache(kv_cache, head_dim), 0, block_ids)  # [n * nb, kvh, bs, d]
+    _, kvh, _, bs = keys.shape
+    keys = keys.view(-1, blocks_per_seq, kvh, head_dim, bs).permute(0, 2, 1, 4, 3)
+    values = values.view(-1, blocks_per_seq, kvh, bs, head_dim).transpose(1, 2)
+    shape = (keys.shape[0], kvh, blocks_per_seq * bs, head_dim)
+    return keys.reshape(shape)[:, :, :seq_len], values.reshape(shape)[:, :, :seq_len]
 
 
 def paged_attention(
@@ -238,46 +223,40 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, H, d], k/v [T, kvh, d] of this step -> attention output [T, H * d].
 
-    Writes k/v into `kv_cache` ([2, num_blocks, block_size, kvh, d]) first, so that each
-    query also sees its own and earlier tokens of this step.
+    Writes k/v into `kv_cache` first, so that each query also sees its own and earlier tokens
+    of this step.
     """
     write_kv(kv_cache, k, v, meta.slot_mapping)
     num_tokens, num_heads, d = q.shape
+    if kernels.attention_kernel_available(q.device, q.dtype, d):
+        out = kernels.paged_attention(q, key_cache(kv_cache, d), value_cache(kv_cache, d), meta.block_tables,
+                                      meta.query_start_loc, meta.query_lens, meta.seq_lens, d**-0.5)
+        return out.view(num_tokens, num_heads * d)
+
     decode = meta.decode
     if decode is not None and not meta.prefills:
         # Pure decode step: the decode tokens are the whole batch, in order.
         return _decode_attention(q, kv_cache, decode, meta)
-
-    out = q.new_empty(num_tokens, num_heads, d)
+    out = q.new_empty(num_tokens, num_heads * d)
     if decode is not None:
-        out[decode.tokens] = _decode_attention(q[decode.tokens], kv_cache, decode, meta).view(-1, num_heads, d)
-    if meta.prefill_batch is not None and prefill_kernel_available(q.device, q.dtype, d):
-        batch = meta.prefill_batch
-        kernels.paged_prefill_attention(q, kv_cache[0], kv_cache[1], out, batch.block_tables, batch.chunk_starts,
-                                        batch.chunk_lens, batch.seq_lens, d**-0.5)
-    else:
-        for chunk in meta.prefills:
-            out[chunk.start : chunk.end] = _prefill_attention(q, k, v, kv_cache, chunk, meta).view(-1, num_heads, d)
-    return out.view(num_tokens, num_heads * d)
+        out[decode.tokens] = _decode_attention(q[decode.tokens], kv_cache, decode, meta)
+    for chunk in meta.prefills:
+        out[chunk.start : chunk.end] = _prefill_attention(q, k, v, kv_cache, chunk, meta)
+    return out
 
 
 def _decode_attention(
     q: torch.Tensor, kv_cache: torch.Tensor, decode: DecodeBatch, meta: AttentionMetadata
 ) -> torch.Tensor:
     num_seqs, num_heads, d = q.shape
-    if kernels_available(q.device, q.dtype):
-        out = kernels.paged_decode_attention(q, kv_cache[0], kv_cache[1], decode.block_tables,
-                                             decode.seq_lens, d**-0.5)
-        return out.view(num_seqs, num_heads * d)
-    kvh = kv_cache.shape[3]
+    kvh = kv_cache.shape[2]
     # GQA without repeating K/V: the query heads sharing a KV head become that head's rows
     # (HF maps query head h to KV head h // group, so a plain view groups them right). All
     # rows of one request sit at the same position, so only key padding needs masking.
     qg = q.reshape(num_seqs, kvh, num_heads // kvh, d)
-    k = _gather_context(kv_cache[0], decode.block_ids, decode.num_blocks, decode.max_seq_len)
-    v = _gather_context(kv_cache[1], decode.block_ids, decode.num_blocks, decode.max_seq_len)
+    k, v = _gather_context(kv_cache, decode.block_ids, decode.num_blocks, decode.max_seq_len, d)
     mask = meta.float_mask(decode.key_mask, q.dtype)
-    out = F.scaled_dot_product_attention(qg, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
     return out.reshape(num_seqs, num_heads * d)
 
 
@@ -295,9 +274,7 @@ def _prefill_attention(
         vc = v[chunk.start : chunk.end].transpose(0, 1).unsqueeze(0)
         out = F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
     else:
-        nblocks = chunk.block_ids.shape[0]
-        kc = _gather_context(kv_cache[0], chunk.block_ids, nblocks, chunk.seq_len).transpose(1, 2)
-        vc = _gather_context(kv_cache[1], chunk.block_ids, nblocks, chunk.seq_len).transpose(1, 2)
+        kc, vc = _gather_context(kv_cache, chunk.block_ids, chunk.block_ids.shape[0], chunk.seq_len, q.shape[-1])
         mask = meta.float_mask(chunk.mask, q.dtype)
         out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(chunk.end - chunk.start, -1)
@@ -312,6 +289,6 @@ def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torc
 def allocate_kv_caches(
     arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> list[torch.Tensor]:
-    """One [2, num_blocks, block_size, kv_heads, head_dim] tensor per layer (K at 0, V at 1)."""
-    shape = (2, num_blocks, block_size, arch.num_key_value_heads, arch.head_dim)
+    """One [2, num_blocks, kv_heads, block_size * head_dim] tensor per layer (layout above)."""
+    shape = (2, num_blocks, arch.num_key_value_heads, block_size * arch.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]

@@ -70,12 +70,10 @@ def _library() -> Optional[ctypes.CDLL]:
         detail = getattr(exc, "stderr", "") or str(exc)
         logger.warning("building the C kernels failed (%s): using pure torch", detail.strip()[:500])
         return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
-    fn = lib.paged_prefill_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.paged_attention.restype = ctypes.c_int
+    lib.paged_attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.write_kv_cache.restype = None
+    lib.write_kv_cache.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7
     lib.rms_norm_bf16.restype = None
     lib.rms_norm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
     lib.silu_and_mul_bf16.restype = None
@@ -85,56 +83,49 @@ def _library() -> Optional[ctypes.CDLL]:
     return lib
 
 
-def kernels_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in _DTYPES and _library() is not None
+def attention_kernel_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    # The kernel works in 16-lane vectors over head_dim.
+    return device.type == "cpu" and dtype in _DTYPES and head_dim % 16 == 0 and _library() is not None
 
 
-def prefill_kernel_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    # The prefill kernel works in 16-lane vectors over head_dim.
-    return head_dim % 16 == 0 and kernels_available(device, dtype)
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor,
+                   value_cache: torch.Tensor) -> None:
+    """Store k / v [T, kv_heads, d] (row-strided views allowed) at their slots (int64 [T]).
+
+    key_cache [num_blocks, kv_heads, d, block_size], value_cache [num_blocks, kv_heads, block_size, d],
+    both views of one contiguous layer cache (see attention.py).
+    """
+    lib = _library()
+    assert lib is not None and slot_mapping.dtype == torch.int64
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
+    lib.write_kv_cache(k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), key_cache.data_ptr(),
+                       value_cache.data_ptr(), num_tokens, k.stride(0), v.stride(0), num_kv_heads, head_dim,
+                       key_cache.shape[3], k.element_size())
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [S, H, d] (one token per sequence) attending over its paged context -> [S, H, d].
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start_loc: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """Every request's queries over its paged context, causal within its own new tokens.
 
-    k_cache / v_cache: [num_blocks, block_size, kv_heads, d]; block_tables int32 [S, max_blocks];
-    seq_lens int32 [S]. All must be contiguous CPU tensors of one dtype (fp32 or bf16).
+    q [T, H, d] (a row-strided view, e.g. of the fused qkv output, is fine); request i's queries
+    are rows query_start_loc[i] .. + query_lens[i], the last tokens of a context of seq_lens[i]
+    tokens whose K/V (theirs included) are in the cache. Index tensors int32, block_tables
+    [num_requests, max_blocks]. Returns [T, H, d].
     """
     lib = _library()
     assert lib is not None
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    num_seqs, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    lib.paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
-        out.data_ptr(), num_seqs, num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1],
-        scale, _DTYPES[q.dtype])
+    num_tokens, num_heads, head_dim = q.shape
+    num_blocks, num_kv_heads, _, block_size = key_cache.shape
+    assert q.stride(2) == 1 and q.stride(1) == head_dim
+    out = q.new_empty(num_tokens, num_heads, head_dim)
+    lib.paged_attention(
+        q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+        query_start_loc.data_ptr(), query_lens.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
+        seq_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], q.stride(0),
+        num_heads * head_dim, scale, _DTYPES[q.dtype])
     return out
-
-
-def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-                            block_tables: torch.Tensor, chunk_starts: torch.Tensor, chunk_lens: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float) -> None:
-    """Causal attention of prefill chunks over their paged context, written into `out`'s rows.
-
-    q, out: [T, H, d] (q may be a row-strided view, e.g. a slice of the fused qkv output);
-    chunk c's queries are rows chunk_starts[c] .. + chunk_lens[c], the last chunk_lens[c] tokens
-    of a context of seq_lens[c] tokens whose K/V (this chunk's included) are already in the
-    cache. Other rows of `out` are left untouched. Index tensors are int32, block_tables
-    [num_chunks, max_blocks].
-    """
-    lib = _library()
-    assert lib is not None
-    _, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    assert q.stride(2) == 1 and q.stride(1) == head_dim and out.is_contiguous() and q.dtype == out.dtype
-    lib.paged_prefill_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), chunk_starts.data_ptr(),
-        chunk_lens.data_ptr(), seq_lens.data_ptr(), out.data_ptr(), chunk_starts.shape[0], num_heads,
-        num_kv_heads, head_dim, block_size, block_tables.shape[1], q.stride(0), num_heads * head_dim, scale,
-        _DTYPES[q.dtype])
 
 
 def fused_ops_available(x: torch.Tensor) -> bool:

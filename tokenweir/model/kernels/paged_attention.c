@@ -1,16 +1,25 @@
-/* Paged decode attention for the CPU: one query token per sequence, K/V read straight from the
- * paged cache through each sequence's block table (no gather copy), fp32 accumulation.
+/* Paged attention for the CPU, one call per layer for every request of the step: decodes (one
+ * query token) and prefill chunks (several, causal) alike, K/V read straight from the paged
+ * cache through each request's block table, fp32 accumulation.
  *
- * Why not torch: gathering K/V into a padded tensor and calling SDPA reads and writes the whole
- * context twice and runs a flash kernel tuned for long query blocks; decode is memory bound, so
- * reading each cached K/V row exactly once is what matters.
+ * Cache layout, per block and KV head (see attention.py): keys transposed, [head_dim][block_size],
+ * values as rows, [block_size][head_dim]. A tile of TILE keys is then, for every component d, a
+ * contiguous run of TILE values: widened once into a float tile, it is shared by every query row
+ * of the work item, and the score loop is a broadcast-FMA over the tile's keys (no horizontal
+ * sums, which made the earlier row-by-row dot-product kernel latency bound at ~20 GB/s). The
+ * value loop is a broadcast-FMA over head_dim. Online softmax (running max and sum per query
+ * row) needs one pass over the keys.
  *
- * Layouts (all contiguous):
- *   q, out        [num_seqs, num_heads, head_dim]
- *   k/v cache     [num_blocks, block_size, num_kv_heads, head_dim]
- *   block_tables  int32 [num_seqs, max_blocks]
- *   seq_lens      int32 [num_seqs]
- * dtype: 0 = float32, 1 = bfloat16. GQA: query head h reads KV head h / (num_heads / num_kv_heads).
+ * A work item is (request, kv head, up to QROWS query tokens); its query rows are those tokens
+ * times the query heads sharing the kv head (GQA), row r = token * group + member.
+ *
+ *   q, out        rows of the flattened batch: token t's head h starts at t * row_stride + h * D
+ *   q_starts      int32 [n]: first row of each request's query tokens
+ *   q_lens        int32 [n]: its query tokens this step (the last q_len of its context)
+ *   seq_lens      int32 [n]: context length including them (their K/V already in the cache)
+ *   block_tables  int32 [n, max_blocks]
+ *   k/v cache     [num_blocks, num_kv_heads, block_size * D] in the layout above
+ * dtype: 0 = float32, 1 = bfloat16. D must be a multiple of 16.
  */
 #include <math.h>
 #include <stdint.h>
@@ -19,134 +28,6 @@
 
 #include "bf16.h"
 
-/* d values starting at element `offset` of `base`, widened to float. */
-static inline __attribute__((always_inline)) void load_slot(const void *base, size_t offset, const int d,
-                                                          int dtype, float *dst) {
-    if (dtype == 1) {
-        const uint16_t *src = (const uint16_t *)base + offset;
-        for (int i = 0; i < d; i++) dst[i] = bf16_to_f32(src[i]);
-    } else {
-        const float *src = (const float *)base + offset;
-        for (int i = 0; i < d; i++) dst[i] = src[i];
-    }
-}
-
-typedef struct {
-    const void *q, *k_cache, *v_cache;
-    const int32_t *block_tables, *seq_lens;
-    void *out;
-    int num_seqs, num_heads, num_kv_heads, head_dim, block_size, max_blocks, dtype;
-    float scale;
-} Job;
-
-/* One (sequence, kv head) item. Inlined with a constant head size D so that every loop over D
- * is fully unrolled and vectorized. */
-static inline __attribute__((always_inline)) void attend_item(const Job *j, int item, const int D,
-                                                            float *qf, float *acc, float *scores) {
-    const int group = j->num_heads / j->num_kv_heads;
-    const int s = item / j->num_kv_heads, kvh = item % j->num_kv_heads;
-    const int len = j->seq_lens[s], bs = j->block_size;
-    const int32_t *table = j->block_tables + (size_t)s * j->max_blocks;
-    const size_t row_stride = (size_t)j->num_kv_heads * D; /* between consecutive slots */
-    for (int g = 0; g < group; g++) {
-        load_slot(j->q, ((size_t)s * j->num_heads + (size_t)kvh * group + g) * D, D, j->dtype, qf + g * D);
-        for (int i = 0; i < D; i++) qf[g * D + i] *= j->scale;
-    }
-    /* Scores: one pass over K, block by block (slots of a block are adjacent in memory). */
-    for (int t0 = 0; t0 < len; t0 += bs) {
-        const size_t base = (size_t)table[t0 / bs] * bs * row_stride + (size_t)kvh * D;
-        const int n = len - t0 < bs ? len - t0 : bs;
-        for (int o = 0; o < n; o++) {
-            float row[D];
-            load_slot(j->k_cache, base + o * row_stride, D, j->dtype, row);
-            for (int g = 0; g < group; g++) {
-                const float *qg = qf + g * D;
-                float dot = 0.f;
-                for (int i = 0; i < D; i++) dot += qg[i] * row[i];
-                scores[(size_t)g * len + t0 + o] = dot;
-            }
-        }
-    }
-    for (int g = 0; g < group; g++) {
-        float *sg = scores + (size_t)g * len, mx = -INFINITY, sum = 0.f;
-        for (int t = 0; t < len; t++) mx = sg[t] > mx ? sg[t] : mx;
-        for (int t = 0; t < len; t++) { sg[t] = expf(sg[t] - mx); sum += sg[t]; }
-        const float inv = 1.f / sum;
-        for (int t = 0; t < len; t++) sg[t] *= inv;
-    }
-    /* Weighted sum of V: one pass. */
-    memset(acc, 0, sizeof(float) * (size_t)group * D);
-    for (int t0 = 0; t0 < len; t0 += bs) {
-        const size_t base = (size_t)table[t0 / bs] * bs * row_stride + (size_t)kvh * D;
-        const int n = len - t0 < bs ? len - t0 : bs;
-        for (int o = 0; o < n; o++) {
-            float row[D];
-            load_slot(j->v_cache, base + o * row_stride, D, j->dtype, row);
-            for (int g = 0; g < group; g++) {
-                const float p = scores[(size_t)g * len + t0 + o];
-                float *ag = acc + g * D;
-                for (int i = 0; i < D; i++) ag[i] += p * row[i];
-            }
-        }
-    }
-    for (int g = 0; g < group; g++) {
-        const size_t o = ((size_t)s * j->num_heads + (size_t)kvh * group + g) * D;
-        if (j->dtype == 1) {
-            uint16_t *dst = (uint16_t *)j->out + o;
-            for (int i = 0; i < D; i++) dst[i] = f32_to_bf16(acc[g * D + i]);
-        } else {
-            memcpy((float *)j->out + o, acc + g * D, sizeof(float) * (size_t)D);
-        }
-    }
-}
-
-int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache,
-                           const int32_t *block_tables, const int32_t *seq_lens, void *out,
-                           int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                           int block_size, int max_blocks, float scale, int dtype) {
-    const int items = num_seqs * num_kv_heads, d = head_dim, group = num_heads / num_kv_heads;
-    int max_len = 1;
-    for (int s = 0; s < num_seqs; s++) max_len = seq_lens[s] > max_len ? seq_lens[s] : max_len;
-    const Job job = {q, k_cache, v_cache, block_tables, seq_lens, out, num_seqs, num_heads,
-                     num_kv_heads, head_dim, block_size, max_blocks, dtype, scale};
-    /* OpenMP resolves to the libgomp torch already loaded (same soname), so this loop runs on
-     * torch's own worker threads: a second thread pool would fight torch's spinning workers
-     * for the cores. */
-#pragma omp parallel
-    {
-        float *qf = malloc(sizeof(float) * (size_t)group * d);
-        float *acc = malloc(sizeof(float) * (size_t)group * d);
-        float *scores = malloc(sizeof(float) * (size_t)group * max_len);
-#pragma omp for schedule(static)
-        for (int item = 0; item < items; item++) {
-            /* Common head sizes get their own unrolled copy; others use the generic one. */
-            if (d == 64) attend_item(&job, item, 64, qf, acc, scores);
-            else if (d == 128) attend_item(&job, item, 128, qf, acc, scores);
-            else attend_item(&job, item, d, qf, acc, scores);
-        }
-        free(qf); free(acc); free(scores);
-    }
-    return 0;
-}
-
-/* ---------------------------------------------------------------------------------------------
- * Paged prefill attention: chunks of several query tokens per sequence, causal, over the
- * sequence's whole context in the paged cache (earlier chunks and cached prefixes included).
- *
- * Why not torch's flash kernel: with 9 heads of 64 dims it reaches ~40 GFLOP/s here, and a
- * chunk that continues a context needs its K/V gathered out of the paged cache plus an explicit
- * mask. This kernel reads K/V through the block table and works tile by tile: a work item is
- * (chunk, kv head, QROWS query tokens); for each tile of TILE keys it widens the K rows into a
- * transposed fp32 tile once and reuses it for all QROWS x group query rows, so the score loop
- * is a broadcast-FMA over TILE keys (no horizontal sums) and the value loop a broadcast-FMA over
- * head_dim. Online softmax (running max and sum per query row) keeps one pass over the keys.
- *
- *   q, out        rows of a flattened batch; token t's head h starts at t * row_stride + h * D
- *   chunk_starts  int32 [num_chunks]: first row of each chunk
- *   chunk_lens    int32 [num_chunks]: query tokens in the chunk (its last ones in the context)
- *   seq_lens      int32 [num_chunks]: context length including the chunk
- *   block_tables  int32 [num_chunks, max_blocks]
- * ------------------------------------------------------------------------------------------- */
 #define TILE 16 /* keys per tile: one 16-lane float vector */
 #define QROWS 32
 
@@ -180,66 +61,101 @@ static inline vf16 vexp_nonpositive(vf16 x) {
     return (vf16)((vi16)p + (n << 23));
 }
 
+/* n values starting at element `offset` of `base`, widened to float. */
+static inline __attribute__((always_inline)) void load_floats(const void *base, size_t offset, int n, int dtype,
+                                                            float *restrict dst) {
+    if (dtype == 1) {
+        const uint16_t *src = (const uint16_t *)base + offset;
+        for (int i = 0; i < n; i++) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        memcpy(dst, (const float *)base + offset, sizeof(float) * (size_t)n);
+    }
+}
+
 typedef struct {
     const void *q, *k_cache, *v_cache;
-    const int32_t *block_tables, *chunk_starts, *chunk_lens, *seq_lens;
+    const int32_t *block_tables, *q_starts, *q_lens, *seq_lens;
     void *out;
-    int num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_row_stride, out_row_stride, dtype;
+    int num_heads, num_kv_heads, block_size, max_blocks, q_row_stride, out_row_stride, dtype;
     float scale;
-} PrefillJob;
+} Job;
 
 /* Buffers of one thread, 64-byte aligned for the vector loads. */
 typedef struct {
-    float *qf;  /* [QROWS * G, D] scaled queries */
-    vf16 *acc;  /* [QROWS * G, D / 16] unnormalised outputs */
+    float *qf;       /* [QROWS * G, D] scaled queries */
+    vf16 *acc;       /* [QROWS * G, D / 16] unnormalised outputs */
     float *mx, *den; /* [QROWS * G] running max and sum of exp */
-    vf16 *kt;   /* [D]: kt[d] lane o = key o's component d (the tile, transposed) */
-    vf16 *vt;   /* [TILE, D / 16]: value rows */
-} PrefillScratch;
+    vf16 *kt;        /* [D]: lane o of kt[d] = component d of the tile's key o */
+    vf16 *vt;        /* [TILE, D / 16]: the tile's value rows */
+} Scratch;
 
-static inline __attribute__((always_inline)) void prefill_item(const PrefillJob *j, int c, int kvh, int i0,
-                                                             const int D, const PrefillScratch *w) {
+/* Widen keys t0 .. t0 + nt - 1 (nt <= TILE, possibly spanning blocks) into w->kt / w->vt and
+ * zero the lanes past nt. */
+static inline __attribute__((always_inline)) void load_tile(const Job *j, const int32_t *table, int kvh, int t0,
+                                                          int nt, const int D, const Scratch *w) {
+    const int bs = j->block_size;
+    float *kt = (float *)w->kt, *vt = (float *)w->vt;
+    int o = 0;
+    while (o < nt) {
+        const int t = t0 + o, off = t % bs;
+        const int n = nt - o < bs - off ? nt - o : bs - off;
+        const size_t head = ((size_t)table[t / bs] * j->num_kv_heads + kvh) * (size_t)bs * D;
+        for (int d = 0; d < D; d++) load_floats(j->k_cache, head + (size_t)d * bs + off, n, j->dtype, kt + d * TILE + o);
+        load_floats(j->v_cache, head + (size_t)off * D, n * D, j->dtype, vt + (size_t)o * D);
+        o += n;
+    }
+    for (; o < TILE; o++) {
+        for (int d = 0; d < D; d++) kt[d * TILE + o] = 0.f;
+        memset(vt + (size_t)o * D, 0, sizeof(float) * (size_t)D);
+    }
+}
+
+/* Ask for the K/V of keys t_begin .. t_end - 1 ahead of use: whole (block, kv head) regions,
+ * each once, when its block starts in the range. A request's blocks lie anywhere in the pool,
+ * and without this the kernel waited on memory for about half its time. */
+static inline void prefetch_keys(const Job *j, const int32_t *table, int kvh, int t_begin, int t_end, int D) {
+    const int bs = j->block_size;
+    const size_t bytes = (size_t)bs * D * (j->dtype == 1 ? 2 : 4);
+    for (int t = (t_begin + bs - 1) / bs * bs; t < t_end; t += bs) {
+        const size_t head = ((size_t)table[t / bs] * j->num_kv_heads + kvh) * bytes;
+        for (size_t b = 0; b < bytes; b += 64) {
+            __builtin_prefetch((const char *)j->k_cache + head + b);
+            __builtin_prefetch((const char *)j->v_cache + head + b);
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void attend_item(const Job *j, int c, int kvh, int i0, const int D,
+                                                            const Scratch *w) {
     const int NV = D / 16, G = j->num_heads / j->num_kv_heads;
-    const int start = j->chunk_starts[c], qlen = j->chunk_lens[c], slen = j->seq_lens[c];
+    const int start = j->q_starts[c], qlen = j->q_lens[c], slen = j->seq_lens[c];
     const int nq = qlen - i0 < QROWS ? qlen - i0 : QROWS;
     const int pos0 = slen - qlen + i0; /* position of the item's first query token */
-    const int rows = nq * G;           /* query row r = token i * G + group member g */
+    const int rows = nq * G;
     const int32_t *table = j->block_tables + (size_t)c * j->max_blocks;
-    const size_t slot_stride = (size_t)j->num_kv_heads * D;
-    const int bs = j->block_size;
     const vf16 zero = {0};
     const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    float *kt = (float *)w->kt;
 
     for (int i = 0; i < nq; i++)
         for (int g = 0; g < G; g++) {
             float *dst = w->qf + (size_t)(i * G + g) * D;
-            load_slot(j->q, (size_t)(start + i0 + i) * j->q_row_stride + (size_t)(kvh * G + g) * D, D,
-                      j->dtype, dst);
+            load_floats(j->q, (size_t)(start + i0 + i) * j->q_row_stride + (size_t)(kvh * G + g) * D, D, j->dtype,
+                        dst);
             for (int d = 0; d < D; d++) dst[d] *= j->scale;
         }
     for (int r = 0; r < rows; r++) { w->mx[r] = -1e30f; w->den[r] = 0.f; }
     for (int k = 0; k < rows * NV; k++) w->acc[k] = zero;
 
     const int num_keys = pos0 + nq; /* the last token sees keys 0 .. pos0 + nq - 1 */
+    prefetch_keys(j, table, kvh, 0, num_keys < 2 * TILE ? num_keys : 2 * TILE, D);
     for (int t0 = 0; t0 < num_keys; t0 += TILE) {
         const int nt = num_keys - t0 < TILE ? num_keys - t0 : TILE;
-        for (int o = 0; o < TILE; o++) {
-            float row[D];
-            if (o < nt) {
-                const int t = t0 + o;
-                const size_t base = ((size_t)table[t / bs] * bs + t % bs) * slot_stride + (size_t)kvh * D;
-                load_slot(j->k_cache, base, D, j->dtype, row);
-                load_slot(j->v_cache, base, D, j->dtype, (float *)(w->vt + (size_t)o * NV));
-            } else {
-                for (int d = 0; d < D; d++) row[d] = 0.f;
-                for (int k = 0; k < NV; k++) w->vt[(size_t)o * NV + k] = zero;
-            }
-            for (int d = 0; d < D; d++) kt[d * TILE + o] = row[d];
-        }
+        if (t0 + 2 * TILE < num_keys)
+            prefetch_keys(j, table, kvh, t0 + 2 * TILE, num_keys < t0 + 3 * TILE ? num_keys : t0 + 3 * TILE, D);
+        load_tile(j, table, kvh, t0, nt, D, w);
         /* Rows are in position order: those before position t0 see none of this tile. Scores
          * are computed four rows at a time: four independent FMA chains hide the FMA latency
-         * (one chain of D dependent FMAs is latency bound) and share each load of kt. */
+         * and share each load of kt. */
         for (int r0 = (t0 > pos0 ? t0 - pos0 : 0) * G; r0 < rows; r0 += 4) {
             const int nr = rows - r0 < 4 ? rows - r0 : 4;
             const float *q0 = w->qf + (size_t)r0 * D;
@@ -291,46 +207,71 @@ static inline __attribute__((always_inline)) void prefill_item(const PrefillJob 
     }
 }
 
-static void *aligned_buffer(size_t bytes) {
-    return aligned_alloc(64, (bytes + 63) / 64 * 64);
-}
+static void *aligned_buffer(size_t bytes) { return aligned_alloc(64, (bytes + 63) / 64 * 64); }
 
-/* head_dim must be a multiple of 16 (the caller falls back to torch otherwise). */
-int paged_prefill_attention(const void *q, const void *k_cache, const void *v_cache,
-                            const int32_t *block_tables, const int32_t *chunk_starts,
-                            const int32_t *chunk_lens, const int32_t *seq_lens, void *out,
-                            int num_chunks, int num_heads, int num_kv_heads, int head_dim, int block_size,
-                            int max_blocks, int q_row_stride, int out_row_stride, float scale, int dtype) {
+int paged_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                    const int32_t *q_starts, const int32_t *q_lens, const int32_t *seq_lens, void *out,
+                    int num_requests, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                    int q_row_stride, int out_row_stride, float scale, int dtype) {
     const int G = num_heads / num_kv_heads, D = head_dim;
     if (D % 16 != 0) return -1;
-    /* Work items: (chunk, kv head, tile of QROWS tokens), enumerated through a prefix sum. */
-    int *first_item = malloc(sizeof(int) * (size_t)(num_chunks + 1));
+    /* Work items enumerated through a prefix sum over requests. */
+    int *first_item = malloc(sizeof(int) * (size_t)(num_requests + 1));
     first_item[0] = 0;
-    for (int c = 0; c < num_chunks; c++)
-        first_item[c + 1] = first_item[c] + num_kv_heads * ((chunk_lens[c] + QROWS - 1) / QROWS);
-    const int items = first_item[num_chunks];
-    const PrefillJob job = {q, k_cache, v_cache, block_tables, chunk_starts, chunk_lens, seq_lens, out,
-                            num_heads, num_kv_heads, head_dim, block_size, max_blocks, q_row_stride,
-                            out_row_stride, dtype, scale};
+    for (int c = 0; c < num_requests; c++)
+        first_item[c + 1] = first_item[c] + num_kv_heads * ((q_lens[c] + QROWS - 1) / QROWS);
+    const int items = first_item[num_requests];
+    const Job job = {q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens, out, num_heads, num_kv_heads,
+                     block_size, max_blocks, q_row_stride, out_row_stride, dtype, scale};
+    /* OpenMP resolves to the libgomp torch already loaded (same soname), so this loop runs on
+     * torch's own worker threads: a second thread pool would fight torch's spinning workers
+     * for the cores. */
 #pragma omp parallel
     {
         const size_t rows = (size_t)QROWS * G;
-        PrefillScratch w = {aligned_buffer(sizeof(float) * rows * D), aligned_buffer(sizeof(float) * rows * D),
-                            aligned_buffer(sizeof(float) * rows), aligned_buffer(sizeof(float) * rows),
-                            aligned_buffer(sizeof(float) * TILE * D), aligned_buffer(sizeof(float) * TILE * D)};
-        /* Later tiles of a chunk see more keys: hand items out dynamically. */
+        Scratch w = {aligned_buffer(sizeof(float) * rows * D), aligned_buffer(sizeof(float) * rows * D),
+                     aligned_buffer(sizeof(float) * rows), aligned_buffer(sizeof(float) * rows),
+                     aligned_buffer(sizeof(float) * TILE * D), aligned_buffer(sizeof(float) * TILE * D)};
+        /* Items differ in cost (context length, causal position): hand them out dynamically. */
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
-            int c = 0;
-            while (first_item[c + 1] <= item) c++;
-            const int local = item - first_item[c];
+            int lo = 0, hi = num_requests - 1; /* the request c with first_item[c] <= item < first_item[c+1] */
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (first_item[mid] <= item) lo = mid; else hi = mid - 1;
+            }
+            const int local = item - first_item[lo];
             const int kvh = local % num_kv_heads, i0 = (local / num_kv_heads) * QROWS;
-            if (D == 64) prefill_item(&job, c, kvh, i0, 64, &w);
-            else if (D == 128) prefill_item(&job, c, kvh, i0, 128, &w);
-            else prefill_item(&job, c, kvh, i0, D, &w);
+            if (D == 64) attend_item(&job, lo, kvh, i0, 64, &w);
+            else if (D == 128) attend_item(&job, lo, kvh, i0, 128, &w);
+            else attend_item(&job, lo, kvh, i0, D, &w);
         }
         free(w.qf); free(w.acc); free(w.mx); free(w.den); free(w.kt); free(w.vt);
     }
     free(first_item);
     return 0;
+}
+
+/* Store this step's K/V rows at their slots: k, v rows [T] of num_kv_heads * D (row strides
+ * given), slot_mapping int64 [T]. */
+void write_kv_cache(const void *k, const void *v, const int64_t *slot_mapping, void *k_cache, void *v_cache,
+                    int num_tokens, int k_row_stride, int v_row_stride, int num_kv_heads, int head_dim,
+                    int block_size, int elem_size) {
+    const int D = head_dim, bs = block_size;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t], block = slot / bs, off = slot % bs;
+        for (int h = 0; h < num_kv_heads; h++) {
+            const size_t head = ((size_t)block * num_kv_heads + h) * (size_t)bs * D;
+            const char *ks = (const char *)k + ((size_t)t * k_row_stride + (size_t)h * D) * elem_size;
+            const char *vs = (const char *)v + ((size_t)t * v_row_stride + (size_t)h * D) * elem_size;
+            memcpy((char *)v_cache + (head + (size_t)off * D) * elem_size, vs, (size_t)D * elem_size);
+            if (elem_size == 2)
+                for (int d = 0; d < D; d++)
+                    ((uint16_t *)k_cache)[head + (size_t)d * bs + off] = ((const uint16_t *)ks)[d];
+            else
+                for (int d = 0; d < D; d++)
+                    ((float *)k_cache)[head + (size_t)d * bs + off] = ((const float *)ks)[d];
+        }
+    }
 }
