@@ -30,6 +30,12 @@
 
 #define TILE 16 /* keys per tile: one 16-lane float vector */
 #define QROWS 32
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD (4 * TILE) /* keys */
+#endif
+#ifndef PREFETCH_LOCALITY
+#define PREFETCH_LOCALITY 3
+#endif
 
 /* GCC/Clang vector extensions: AVX-512 registers under -march=native on this machine, narrower
  * ones elsewhere, without intrinsics. */
@@ -61,6 +67,20 @@ static inline vf16 vexp_nonpositive(vf16 x) {
     return (vf16)((vi16)p + (n << 23));
 }
 
+typedef uint16_t vu16 __attribute__((vector_size(32)));
+
+/* 16 values starting at element `offset` of `base`, widened to float. */
+static inline vf16 widen16(const void *base, size_t offset, int dtype) {
+    if (dtype == 1) {
+        vu16 h;
+        memcpy(&h, (const uint16_t *)base + offset, sizeof(h));
+        return (vf16)(__builtin_convertvector(h, vi16) << 16);
+    }
+    vf16 f;
+    memcpy(&f, (const float *)base + offset, sizeof(f));
+    return f;
+}
+
 /* n values starting at element `offset` of `base`, widened to float. */
 static inline __attribute__((always_inline)) void load_floats(const void *base, size_t offset, int n, int dtype,
                                                             float *restrict dst) {
@@ -83,7 +103,7 @@ typedef struct {
 /* Buffers of one thread, 64-byte aligned for the vector loads. */
 typedef struct {
     float *qf;       /* [QROWS * G, D] scaled queries */
-    vf16 *acc;       /* [QROWS * G, D / 16] unnormalised outputs */
+    vf16 *acc;       /* [QROWS * G + 1, D / 16] unnormalised outputs, and a sink row */
     float *mx, *den; /* [QROWS * G] running max and sum of exp */
     vf16 *kt;        /* [D]: lane o of kt[d] = component d of the tile's key o */
     vf16 *vt;        /* [TILE, D / 16]: the tile's value rows */
@@ -95,6 +115,12 @@ static inline __attribute__((always_inline)) void load_tile(const Job *j, const 
                                                           int nt, const int D, const Scratch *w) {
     const int bs = j->block_size;
     float *kt = (float *)w->kt, *vt = (float *)w->vt;
+    if (nt == TILE && bs % TILE == 0) { /* the common case: a full tile inside one block */
+        const size_t head = ((size_t)table[t0 / bs] * j->num_kv_heads + kvh) * (size_t)bs * D, off = t0 % bs;
+        for (int d = 0; d < D; d++) w->kt[d] = widen16(j->k_cache, head + (size_t)d * bs + off, j->dtype);
+        load_floats(j->v_cache, head + off * D, TILE * D, j->dtype, vt);
+        return;
+    }
     int o = 0;
     while (o < nt) {
         const int t = t0 + o, off = t % bs;
@@ -119,8 +145,8 @@ static inline void prefetch_keys(const Job *j, const int32_t *table, int kvh, in
     for (int t = (t_begin + bs - 1) / bs * bs; t < t_end; t += bs) {
         const size_t head = ((size_t)table[t / bs] * j->num_kv_heads + kvh) * bytes;
         for (size_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch((const char *)j->k_cache + head + b);
-            __builtin_prefetch((const char *)j->v_cache + head + b);
+            __builtin_prefetch((const char *)j->k_cache + head + b, 0, PREFETCH_LOCALITY);
+            __builtin_prefetch((const char *)j->v_cache + head + b, 0, PREFETCH_LOCALITY);
         }
     }
 }
@@ -147,49 +173,64 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
     for (int k = 0; k < rows * NV; k++) w->acc[k] = zero;
 
     const int num_keys = pos0 + nq; /* the last token sees keys 0 .. pos0 + nq - 1 */
-    prefetch_keys(j, table, kvh, 0, num_keys < 2 * TILE ? num_keys : 2 * TILE, D);
+    prefetch_keys(j, table, kvh, 0, num_keys < PREFETCH_AHEAD ? num_keys : PREFETCH_AHEAD, D);
     for (int t0 = 0; t0 < num_keys; t0 += TILE) {
         const int nt = num_keys - t0 < TILE ? num_keys - t0 : TILE;
-        if (t0 + 2 * TILE < num_keys)
-            prefetch_keys(j, table, kvh, t0 + 2 * TILE, num_keys < t0 + 3 * TILE ? num_keys : t0 + 3 * TILE, D);
+        if (t0 + PREFETCH_AHEAD < num_keys)
+            prefetch_keys(j, table, kvh, t0 + PREFETCH_AHEAD,
+                          num_keys < t0 + PREFETCH_AHEAD + TILE ? num_keys : t0 + PREFETCH_AHEAD + TILE, D);
         load_tile(j, table, kvh, t0, nt, D, w);
-        /* Rows are in position order: those before position t0 see none of this tile. Scores
-         * are computed four rows at a time: four independent FMA chains hide the FMA latency
-         * and share each load of kt. */
+        /* Rows are in position order: those before position t0 see none of this tile. Rows go
+         * four at a time, so that every loop carries independent chains: the scores' FMAs (two
+         * chains per row, over even and odd components) share each kt load, and the value
+         * loop updates four rows' accumulators per key. Missing rows of the last block are
+         * computed into a sink row and dropped. */
         for (int r0 = (t0 > pos0 ? t0 - pos0 : 0) * G; r0 < rows; r0 += 4) {
             const int nr = rows - r0 < 4 ? rows - r0 : 4;
-            const float *q0 = w->qf + (size_t)r0 * D;
-            const float *q1 = nr > 1 ? q0 + D : q0, *q2 = nr > 2 ? q0 + 2 * D : q0, *q3 = nr > 3 ? q0 + 3 * D : q0;
-            vf16 sc[4] = {zero, zero, zero, zero};
-            for (int d = 0; d < D; d++) {
-                const vf16 k = w->kt[d];
-                sc[0] += q0[d] * k;
-                sc[1] += q1[d] * k;
-                sc[2] += q2[d] * k;
-                sc[3] += q3[d] * k;
-            }
-            for (int u = 0; u < nr; u++) {
-                const int r = r0 + u, pos = pos0 + r / G;
-                const int valid = pos - t0 + 1 < nt ? pos - t0 + 1 : nt;
-                const vi16 keep = lane < valid;
-                const vf16 s = vselect(keep, sc[u], zero - 1e30f);
-                float m = w->mx[r];
-                for (int o = 0; o < TILE; o++) m = s[o] > m ? s[o] : m;
-                const vf16 p = vselect(keep, vexp_nonpositive(s - m), zero);
-                float sum = 0.f;
-                for (int o = 0; o < TILE; o++) sum += p[o];
-                const float corr = expf(w->mx[r] - m);
-                w->mx[r] = m;
-                w->den[r] = w->den[r] * corr + sum;
-                vf16 a[NV];
-                for (int k = 0; k < NV; k++) a[k] = w->acc[(size_t)r * NV + k] * corr;
-                for (int o = 0; o < valid; o++) {
-                    const float po = p[o];
-                    const vf16 *vr = w->vt + (size_t)o * NV;
-                    for (int k = 0; k < NV; k++) a[k] += po * vr[k];
+            const float *qr[4];
+            for (int u = 0; u < 4; u++) qr[u] = w->qf + (size_t)(u < nr ? r0 + u : r0) * D;
+            vf16 even[4] = {zero, zero, zero, zero}, odd[4] = {zero, zero, zero, zero};
+            for (int d = 0; d < D; d += 2) {
+                const vf16 k0 = w->kt[d], k1 = w->kt[d + 1];
+                for (int u = 0; u < 4; u++) {
+                    even[u] += qr[u][d] * k0;
+                    odd[u] += qr[u][d + 1] * k1;
                 }
-                for (int k = 0; k < NV; k++) w->acc[(size_t)r * NV + k] = a[k];
             }
+            vf16 p[4], *acc[4];
+            float corr[4];
+            int keys = 0; /* keys of the tile any of the rows sees */
+            for (int u = 0; u < 4; u++) {
+                const int r = r0 + u, pos = pos0 + r / G;
+                const int valid = u >= nr ? 0 : pos - t0 + 1 < nt ? pos - t0 + 1 : nt;
+                keys = valid > keys ? valid : keys;
+                const vi16 keep = lane < valid;
+                const vf16 sc = vselect(keep, even[u] + odd[u], zero - 1e30f);
+                const float old = u < nr ? w->mx[r] : 0.f;
+                float m = old;
+                for (int o = 0; o < TILE; o++) m = sc[o] > m ? sc[o] : m;
+                p[u] = vselect(keep, vexp_nonpositive(sc - m), zero);
+                corr[u] = expf(old - m);
+                acc[u] = w->acc + (size_t)(u < nr ? r : rows) * NV; /* row `rows` is the sink */
+                if (u < nr) {
+                    float sum = 0.f;
+                    for (int o = 0; o < TILE; o++) sum += p[u][o];
+                    w->mx[r] = m;
+                    w->den[r] = w->den[r] * corr[u] + sum;
+                }
+            }
+            vf16 a[4][NV];
+            for (int u = 0; u < 4; u++)
+                for (int k = 0; k < NV; k++) a[u][k] = acc[u][k] * corr[u];
+            for (int o = 0; o < keys; o++) {
+                const vf16 *vr = w->vt + (size_t)o * NV;
+                for (int u = 0; u < 4; u++) {
+                    const float po = p[u][o];
+                    for (int k = 0; k < NV; k++) a[u][k] += po * vr[k];
+                }
+            }
+            for (int u = 0; u < 4; u++)
+                for (int k = 0; k < NV; k++) acc[u][k] = a[u][k];
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -229,7 +270,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, con
 #pragma omp parallel
     {
         const size_t rows = (size_t)QROWS * G;
-        Scratch w = {aligned_buffer(sizeof(float) * rows * D), aligned_buffer(sizeof(float) * rows * D),
+        Scratch w = {aligned_buffer(sizeof(float) * rows * D), aligned_buffer(sizeof(float) * (rows + 1) * D),
                      aligned_buffer(sizeof(float) * rows), aligned_buffer(sizeof(float) * rows),
                      aligned_buffer(sizeof(float) * TILE * D), aligned_buffer(sizeof(float) * TILE * D)};
         /* Items differ in cost (context length, causal position): hand them out dynamically. */
