@@ -46,6 +46,33 @@ static inline vf16 vselect(vi16 mask, vf16 a, vf16 b) {
     return (vf16)(((vi16)a & mask) | ((vi16)b & ~mask));
 }
 
+#if defined(__clang__)
+#define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+#define SHUFFLE16(v, ...) __builtin_shuffle(v, (vi16){__VA_ARGS__})
+#endif
+
+/* Horizontal max and sum of the 16 lanes, by halving (4 shuffles instead of 15 extracts). */
+static inline float vmax_lanes(vf16 v) {
+    vf16 t = SHUFFLE16(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v = vselect(v > t, v, t);
+    t = SHUFFLE16(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v = vselect(v > t, v, t);
+    t = SHUFFLE16(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v = vselect(v > t, v, t);
+    t = SHUFFLE16(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    v = vselect(v > t, v, t);
+    return v[0];
+}
+
+static inline float vsum_lanes(vf16 v) {
+    v += SHUFFLE16(v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+    v += SHUFFLE16(v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+    v += SHUFFLE16(v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+    v += SHUFFLE16(v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+    return v[0];
+}
+
 /* e^x for x <= 0, to ~1e-7 relative: t = x log2 e split into round(t) + f, f in [-0.5, 0.5];
  * 2^f by its Taylor series (degree 7), 2^round(t) added into the exponent bits. */
 static inline vf16 vexp_nonpositive(vf16 x) {
@@ -103,7 +130,7 @@ typedef struct {
 /* Buffers of one thread, 64-byte aligned for the vector loads. */
 typedef struct {
     float *qf;       /* [QROWS * G, D] scaled queries */
-    vf16 *acc;       /* [QROWS * G + 1, D / 16] unnormalised outputs, and a sink row */
+    vf16 *acc;       /* [QROWS * G, D / 16] unnormalised outputs */
     float *mx, *den; /* [QROWS * G] running max and sum of exp */
     vf16 *kt;        /* [D]: lane o of kt[d] = component d of the tile's key o */
     vf16 *vt;        /* [TILE, D / 16]: the tile's value rows */
@@ -151,6 +178,53 @@ static inline void prefetch_keys(const Job *j, const int32_t *table, int kvh, in
     }
 }
 
+/* One tile of keys (in w->kt / w->vt) for query rows r0 .. r0 + RB - 1, RB <= 4 a constant so
+ * that every loop carries independent chains in registers: the scores' FMAs (two chains per
+ * row, over even and odd components) share each kt load, and the value loop updates all RB
+ * rows' accumulators per key. */
+static inline __attribute__((always_inline)) void attend_rows(const Scratch *w, int r0, const int RB, int pos0, int G,
+                                                            int t0, int nt, const int D) {
+    const int NV = D / 16;
+    const vf16 zero = {0};
+    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const float *qr[4];
+    for (int u = 0; u < RB; u++) qr[u] = w->qf + (size_t)(r0 + u) * D;
+    vf16 even[4], odd[4];
+    for (int u = 0; u < RB; u++) even[u] = odd[u] = zero;
+    for (int d = 0; d < D; d += 2) {
+        const vf16 k0 = w->kt[d], k1 = w->kt[d + 1];
+        for (int u = 0; u < RB; u++) {
+            even[u] += qr[u][d] * k0;
+            odd[u] += qr[u][d + 1] * k1;
+        }
+    }
+    vf16 p[4], a[4][NV];
+    int keys = 0; /* keys of the tile any of the rows sees */
+    for (int u = 0; u < RB; u++) {
+        const int r = r0 + u, pos = pos0 + r / G;
+        const int valid = pos - t0 + 1 < nt ? pos - t0 + 1 : nt;
+        keys = valid > keys ? valid : keys;
+        const vi16 keep = lane < valid;
+        const vf16 sc = vselect(keep, even[u] + odd[u], zero - 1e30f);
+        const float old = w->mx[r], tile_max = vmax_lanes(sc);
+        const float m = tile_max > old ? tile_max : old;
+        p[u] = vselect(keep, vexp_nonpositive(sc - m), zero);
+        const float corr = expf(old - m);
+        w->mx[r] = m;
+        w->den[r] = w->den[r] * corr + vsum_lanes(p[u]);
+        for (int k = 0; k < NV; k++) a[u][k] = w->acc[(size_t)r * NV + k] * corr;
+    }
+    for (int o = 0; o < keys; o++) {
+        const vf16 *vr = w->vt + (size_t)o * NV;
+        for (int u = 0; u < RB; u++) {
+            const float po = p[u][o];
+            for (int k = 0; k < NV; k++) a[u][k] += po * vr[k];
+        }
+    }
+    for (int u = 0; u < RB; u++)
+        for (int k = 0; k < NV; k++) w->acc[(size_t)(r0 + u) * NV + k] = a[u][k];
+}
+
 static inline __attribute__((always_inline)) void attend_item(const Job *j, int c, int kvh, int i0, const int D,
                                                             const Scratch *w) {
     const int NV = D / 16, G = j->num_heads / j->num_kv_heads;
@@ -160,7 +234,6 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
     const int rows = nq * G;
     const int32_t *table = j->block_tables + (size_t)c * j->max_blocks;
     const vf16 zero = {0};
-    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
     for (int i = 0; i < nq; i++)
         for (int g = 0; g < G; g++) {
@@ -180,57 +253,13 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
             prefetch_keys(j, table, kvh, t0 + PREFETCH_AHEAD,
                           num_keys < t0 + PREFETCH_AHEAD + TILE ? num_keys : t0 + PREFETCH_AHEAD + TILE, D);
         load_tile(j, table, kvh, t0, nt, D, w);
-        /* Rows are in position order: those before position t0 see none of this tile. Rows go
-         * four at a time, so that every loop carries independent chains: the scores' FMAs (two
-         * chains per row, over even and odd components) share each kt load, and the value
-         * loop updates four rows' accumulators per key. Missing rows of the last block are
-         * computed into a sink row and dropped. */
-        for (int r0 = (t0 > pos0 ? t0 - pos0 : 0) * G; r0 < rows; r0 += 4) {
-            const int nr = rows - r0 < 4 ? rows - r0 : 4;
-            const float *qr[4];
-            for (int u = 0; u < 4; u++) qr[u] = w->qf + (size_t)(u < nr ? r0 + u : r0) * D;
-            vf16 even[4] = {zero, zero, zero, zero}, odd[4] = {zero, zero, zero, zero};
-            for (int d = 0; d < D; d += 2) {
-                const vf16 k0 = w->kt[d], k1 = w->kt[d + 1];
-                for (int u = 0; u < 4; u++) {
-                    even[u] += qr[u][d] * k0;
-                    odd[u] += qr[u][d + 1] * k1;
-                }
-            }
-            vf16 p[4], *acc[4];
-            float corr[4];
-            int keys = 0; /* keys of the tile any of the rows sees */
-            for (int u = 0; u < 4; u++) {
-                const int r = r0 + u, pos = pos0 + r / G;
-                const int valid = u >= nr ? 0 : pos - t0 + 1 < nt ? pos - t0 + 1 : nt;
-                keys = valid > keys ? valid : keys;
-                const vi16 keep = lane < valid;
-                const vf16 sc = vselect(keep, even[u] + odd[u], zero - 1e30f);
-                const float old = u < nr ? w->mx[r] : 0.f;
-                float m = old;
-                for (int o = 0; o < TILE; o++) m = sc[o] > m ? sc[o] : m;
-                p[u] = vselect(keep, vexp_nonpositive(sc - m), zero);
-                corr[u] = expf(old - m);
-                acc[u] = w->acc + (size_t)(u < nr ? r : rows) * NV; /* row `rows` is the sink */
-                if (u < nr) {
-                    float sum = 0.f;
-                    for (int o = 0; o < TILE; o++) sum += p[u][o];
-                    w->mx[r] = m;
-                    w->den[r] = w->den[r] * corr[u] + sum;
-                }
-            }
-            vf16 a[4][NV];
-            for (int u = 0; u < 4; u++)
-                for (int k = 0; k < NV; k++) a[u][k] = acc[u][k] * corr[u];
-            for (int o = 0; o < keys; o++) {
-                const vf16 *vr = w->vt + (size_t)o * NV;
-                for (int u = 0; u < 4; u++) {
-                    const float po = p[u][o];
-                    for (int k = 0; k < NV; k++) a[u][k] += po * vr[k];
-                }
-            }
-            for (int u = 0; u < 4; u++)
-                for (int k = 0; k < NV; k++) acc[u][k] = a[u][k];
+        /* Rows are in position order: those before position t0 see none of this tile. */
+        int r0 = (t0 > pos0 ? t0 - pos0 : 0) * G;
+        for (; r0 + 4 <= rows; r0 += 4) attend_rows(w, r0, 4, pos0, G, t0, nt, D);
+        switch (rows - r0) {
+            case 3: attend_rows(w, r0, 3, pos0, G, t0, nt, D); break;
+            case 2: attend_rows(w, r0, 2, pos0, G, t0, nt, D); break;
+            case 1: attend_rows(w, r0, 1, pos0, G, t0, nt, D); break;
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -270,7 +299,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, con
 #pragma omp parallel
     {
         const size_t rows = (size_t)QROWS * G;
-        Scratch w = {aligned_buffer(sizeof(float) * rows * D), aligned_buffer(sizeof(float) * (rows + 1) * D),
+        Scratch w = {aligned_buffer(sizeof(float) * rows * D), aligned_buffer(sizeof(float) * rows * D),
                      aligned_buffer(sizeof(float) * rows), aligned_buffer(sizeof(float) * rows),
                      aligned_buffer(sizeof(float) * TILE * D), aligned_buffer(sizeof(float) * TILE * D)};
         /* Items differ in cost (context length, causal position): hand them out dynamically. */
