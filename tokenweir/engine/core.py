@@ -10,6 +10,7 @@ import torch
 
 from tokenweir.config import EngineArgs
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from tokenweir.engine.cpu_allocator import keep_freed_memory
 from tokenweir.engine.output import OutputProcessor, OutputState, RequestOutput
 from tokenweir.model.attention import kv_cache_bytes_per_block
 from tokenweir.model.loader import LoadedModel, load_model
@@ -43,6 +44,8 @@ class EngineCore:
     def __init__(self, args: EngineArgs, loaded: Optional[LoadedModel] = None) -> None:
         self.args = args
         self.loaded = loaded or load_model(args.model, args.dtype, args.device)
+        if self.loaded.device.type == "cpu":
+            keep_freed_memory()
         self.tokenizer = self.loaded.tokenizer
         arch = self.loaded.arch
         num_blocks = _num_kv_blocks(args, self.loaded)
