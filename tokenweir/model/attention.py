@@ -11,9 +11,12 @@ prefill chunk in its own call. Everything that depends only on the step (index t
 is computed once in `AttentionMetadata.build`, not in each of the model's layers.
 
 Cache layout: one tensor per layer, [2, num_blocks, kv_heads, block_size * head_dim]. Within a
-block, each KV head's keys are stored transposed, [head_dim, block_size], and its values as rows,
-[block_size, head_dim]: the kernel's score loop then reads, for every component, a contiguous
-run of keys (see paged_attention.c). `key_cache` / `value_cache` give the two views.
+block, each KV head's keys are stored transposed in component pairs, [head_dim / 2, block_size, 2]
+(key t's components 2i and 2i+1 side by side), and its values in key pairs,
+[block_size / 2, head_dim, 2] (component d of keys 2m and 2m+1 side by side): the kernel then
+reads, for every pair of components, one contiguous run of keys, and for every pair of keys one
+contiguous run of components, in the operand order of bf16 dot-product instructions (see
+paged_attention.c). Block sizes must be even. `key_cache` / `value_cache` give the two views.
 """
 
 from __future__ import annotations
@@ -31,15 +34,15 @@ if TYPE_CHECKING:
 
 
 def key_cache(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The layer's keys as [num_blocks, kv_heads, head_dim, block_size]."""
+    """The layer's keys as [num_blocks, kv_heads, head_dim / 2, block_size, 2]."""
     _, num_blocks, kvh, width = kv_cache.shape
-    return kv_cache[0].view(num_blocks, kvh, head_dim, width // head_dim)
+    return kv_cache[0].view(num_blocks, kvh, head_dim // 2, width // head_dim, 2)
 
 
 def value_cache(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """The layer's values as [num_blocks, kv_heads, block_size, head_dim]."""
+    """The layer's values as [num_blocks, kv_heads, block_size / 2, head_dim, 2]."""
     _, num_blocks, kvh, width = kv_cache.shape
-    return kv_cache[1].view(num_blocks, kvh, width // head_dim, head_dim)
+    return kv_cache[1].view(num_blocks, kvh, width // head_dim // 2, head_dim, 2)
 
 
 @dataclass
@@ -195,25 +198,24 @@ def _decode_batch(
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store this step's K/V [T, kv_heads, head_dim] at their slots of a layer's cache."""
     d = k.shape[-1]
-    keys, values = key_cache(kv_cache, d), value_cache(kv_cache, d)
     if kernels.attention_kernel_available(k.device, k.dtype, d):
-        kernels.write_kv_cache(k, v, slot_mapping, keys, values)
+        kernels.write_kv_cache(k, v, slot_mapping, kv_cache)
         return
-    block_size = keys.shape[3]
+    block_size = kv_cache.shape[3] // d
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    keys[blocks, :, :, offsets] = k
-    values[blocks, :, offsets, :] = v
+    key_cache(kv_cache, d)[blocks, :, :, offsets, :] = k.reshape(k.shape[0], k.shape[1], d // 2, 2)
+    value_cache(kv_cache, d)[blocks, :, offsets // 2, :, offsets % 2] = v
 
 
 def _gather_context(
     kv_cache: torch.Tensor, block_ids: torch.Tensor, blocks_per_seq: int, seq_len: int, head_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of requests through their flattened block tables: each [num_seqs, kvh, seq_len, d]."""
-    keys = torch.index_select(key_cache(kv_cache, head_dim), 0, block_ids)  # [n * nb, kvh, d, bs]
-    values = torch.index_select(value_cache(kv_cache, head_dim), 0, block_ids)  # [n * nb, kvh, bs, d]
-    _, kvh, _, bs = keys.shape
-    keys = keys.view(-1, blocks_per_seq, kvh, head_dim, bs).permute(0, 2, 1, 4, 3)
-    values = values.view(-1, blocks_per_seq, kvh, bs, head_dim).transpose(1, 2)
+    keys = torch.index_select(key_cache(kv_cache, head_dim), 0, block_ids)  # [n * nb, kvh, d / 2, bs, 2]
+    values = torch.index_select(value_cache(kv_cache, head_dim), 0, block_ids)  # [n * nb, kvh, bs / 2, d, 2]
+    kvh, bs = kv_cache.shape[2], kv_cache.shape[3] // head_dim
+    keys = keys.view(-1, blocks_per_seq, kvh, head_dim // 2, bs, 2).permute(0, 2, 1, 4, 3, 5)
+    values = values.view(-1, blocks_per_seq, kvh, bs // 2, head_dim, 2).permute(0, 2, 1, 3, 5, 4)
     shape = (keys.shape[0], kvh, blocks_per_seq * bs, head_dim)
     return keys.reshape(shape)[:, :, :seq_len], values.reshape(shape)[:, :, :seq_len]
 
@@ -229,8 +231,8 @@ def paged_attention(
     write_kv(kv_cache, k, v, meta.slot_mapping)
     num_tokens, num_heads, d = q.shape
     if kernels.attention_kernel_available(q.device, q.dtype, d):
-        out = kernels.paged_attention(q, key_cache(kv_cache, d), value_cache(kv_cache, d), meta.block_tables,
-                                      meta.query_start_loc, meta.query_lens, meta.seq_lens, d**-0.5)
+        out = kernels.paged_attention(q, kv_cache, meta.block_tables, meta.query_start_loc, meta.query_lens,
+                                      meta.seq_lens, d**-0.5)
         return out.view(num_tokens, num_heads * d)
 
     decode = meta.decode
@@ -290,5 +292,7 @@ def allocate_kv_caches(
     arch: ModelArchConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> list[torch.Tensor]:
     """One [2, num_blocks, kv_heads, block_size * head_dim] tensor per layer (layout above)."""
+    if block_size % 2:
+        raise ValueError(f"block_size must be even for the paged KV cache layout, got {block_size}")
     shape = (2, num_blocks, arch.num_key_value_heads, block_size * arch.head_dim)
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(arch.num_hidden_layers)]

@@ -88,43 +88,39 @@ def attention_kernel_available(device: torch.device, dtype: torch.dtype, head_di
     return device.type == "cpu" and dtype in _DTYPES and head_dim % 16 == 0 and _library() is not None
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, key_cache: torch.Tensor,
-                   value_cache: torch.Tensor) -> None:
-    """Store k / v [T, kv_heads, d] (row-strided views allowed) at their slots (int64 [T]).
-
-    key_cache [num_blocks, kv_heads, d, block_size], value_cache [num_blocks, kv_heads, block_size, d],
-    both views of one contiguous layer cache (see attention.py).
-    """
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> None:
+    """Store k / v [T, kv_heads, d] (row-strided views allowed) at their slots (int64 [T]) of a
+    layer's cache [2, num_blocks, kv_heads, block_size * d] (layout: see attention.py)."""
     lib = _library()
-    assert lib is not None and slot_mapping.dtype == torch.int64
+    assert lib is not None and slot_mapping.dtype == torch.int64 and kv_cache.is_contiguous()
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
-    lib.write_kv_cache(k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), key_cache.data_ptr(),
-                       value_cache.data_ptr(), num_tokens, k.stride(0), v.stride(0), num_kv_heads, head_dim,
-                       key_cache.shape[3], k.element_size())
+    lib.write_kv_cache(k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), kv_cache[0].data_ptr(),
+                       kv_cache[1].data_ptr(), num_tokens, k.stride(0), v.stride(0), num_kv_heads, head_dim,
+                       kv_cache.shape[3] // head_dim, k.element_size())
 
 
-def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float) -> torch.Tensor:
     """Every request's queries over its paged context, causal within its own new tokens.
 
     q [T, H, d] (a row-strided view, e.g. of the fused qkv output, is fine); request i's queries
     are rows query_start_loc[i] .. + query_lens[i], the last tokens of a context of seq_lens[i]
-    tokens whose K/V (theirs included) are in the cache. Index tensors int32, block_tables
-    [num_requests, max_blocks]. Returns [T, H, d].
+    tokens whose K/V (theirs included) are in the layer's cache `kv_cache`. Index tensors int32,
+    block_tables [num_requests, max_blocks]. Returns [T, H, d].
     """
     lib = _library()
-    assert lib is not None
+    assert lib is not None and kv_cache.is_contiguous()
     num_tokens, num_heads, head_dim = q.shape
-    num_blocks, num_kv_heads, _, block_size = key_cache.shape
+    _, _, num_kv_heads, width = kv_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim
     out = q.new_empty(num_tokens, num_heads, head_dim)
     lib.paged_attention(
-        q.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
+        q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
         query_start_loc.data_ptr(), query_lens.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
-        seq_lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, block_tables.shape[1], q.stride(0),
-        num_heads * head_dim, scale, _DTYPES[q.dtype])
+        seq_lens.shape[0], num_heads, num_kv_heads, head_dim, width // head_dim, block_tables.shape[1],
+        q.stride(0), num_heads * head_dim, scale, _DTYPES[q.dtype])
     return out
 
 

@@ -2,7 +2,8 @@
  * query token) and prefill chunks (several, causal) alike, K/V read straight from the paged
  * cache through each request's block table, fp32 accumulation.
  *
- * Cache layout, per block and KV head (see attention.py): keys transposed, [head_dim][block_size],
+ * Cache layout, per block and KV head (see attention.py): keys transposed in component pairs,
+ * [head_dim / 2][block_size][2] (HOLD)
  * values as rows, [block_size][head_dim]. A tile of TILE keys is then, for every component d, a
  * contiguous run of TILE values: widened once into a float tile, it is shared by every query row
  * of the work item, and the score loop is a broadcast-FMA over the tile's keys (no horizontal
@@ -30,12 +31,7 @@
 
 #define TILE 16 /* keys per tile: one 16-lane float vector */
 #define QROWS 32
-#ifndef PREFETCH_AHEAD
-#define PREFETCH_AHEAD (4 * TILE) /* keys */
-#endif
-#ifndef PREFETCH_LOCALITY
-#define PREFETCH_LOCALITY 3
-#endif
+#define PREFETCH_AHEAD (2 * TILE) /* keys */
 
 /* GCC/Clang vector extensions: AVX-512 registers under -march=native on this machine, narrower
  * ones elsewhere, without intrinsics. */
@@ -96,18 +92,6 @@ static inline vf16 vexp_nonpositive(vf16 x) {
 
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 
-/* 16 values starting at element `offset` of `base`, widened to float. */
-static inline vf16 widen16(const void *base, size_t offset, int dtype) {
-    if (dtype == 1) {
-        vu16 h;
-        memcpy(&h, (const uint16_t *)base + offset, sizeof(h));
-        return (vf16)(__builtin_convertvector(h, vi16) << 16);
-    }
-    vf16 f;
-    memcpy(&f, (const float *)base + offset, sizeof(f));
-    return f;
-}
-
 /* n values starting at element `offset` of `base`, widened to float. */
 static inline __attribute__((always_inline)) void load_floats(const void *base, size_t offset, int n, int dtype,
                                                             float *restrict dst) {
@@ -119,6 +103,15 @@ static inline __attribute__((always_inline)) void load_floats(const void *base, 
     }
 }
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+/* bf16 dot products (vdpbf16ps: 16 lanes, each += a[2i] * b[2i] + a[2i+1] * b[2i+1] in fp32):
+ * the scores of a bf16 cache take half the instructions of widening plus FMAs. */
+#define HAVE_BF16_DOT 1
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
 typedef struct {
     const void *q, *k_cache, *v_cache;
     const int32_t *block_tables, *q_starts, *q_lens, *seq_lens;
@@ -129,38 +122,111 @@ typedef struct {
 
 /* Buffers of one thread, 64-byte aligned for the vector loads. */
 typedef struct {
-    float *qf;       /* [QROWS * G, D] scaled queries */
+    float *qf;       /* [QROWS * G, D] scaled queries (float scores) */
+    uint32_t *qp;    /* [QROWS * G, D / 2] raw bf16 query pairs (bf16 dot-product scores) */
     vf16 *acc;       /* [QROWS * G, D / 16] unnormalised outputs */
     float *mx, *den; /* [QROWS * G] running max and sum of exp */
     vf16 *kt;        /* [D]: lane o of kt[d] = component d of the tile's key o */
+    uint32_t *kp;    /* [D / 2, TILE]: the tile's bf16 key pairs, when staged */
     vf16 *vt;        /* [TILE, D / 16]: the tile's value rows */
+    uint32_t *vp;    /* [TILE / 2, D]: the tile's bf16 value pairs, when staged */
 } Scratch;
 
-/* Widen keys t0 .. t0 + nt - 1 (nt <= TILE, possibly spanning blocks) into w->kt / w->vt and
- * zero the lanes past nt. */
-static inline __attribute__((always_inline)) void load_tile(const Job *j, const int32_t *table, int kvh, int t0,
-                                                          int nt, const int D, const Scratch *w) {
-    const int bs = j->block_size;
-    float *kt = (float *)w->kt, *vt = (float *)w->vt;
-    if (nt == TILE && bs % TILE == 0) { /* the common case: a full tile inside one block */
-        const size_t head = ((size_t)table[t0 / bs] * j->num_kv_heads + kvh) * (size_t)bs * D, off = t0 % bs;
-        for (int d = 0; d < D; d++) w->kt[d] = widen16(j->k_cache, head + (size_t)d * bs + off, j->dtype);
-        load_floats(j->v_cache, head + off * D, TILE * D, j->dtype, vt);
+/* Where a tile's keys and values are read by the dot-product path: bf16 pairs, component pair i
+ * of key o at keys[i * key_stride + o], and (key 2m, key 2m + 1) of component d at
+ * values[m * value_stride + d]. keys NULL: the float path (w->kt, w->vt). */
+typedef struct {
+    const uint32_t *keys, *values;
+    int key_stride, value_stride;
+} TilePairs;
+
+/* Element offset of the (block, kv head) region holding key t; keys and values alike. */
+static inline size_t head_offset(const Job *j, const int32_t *table, int kvh, int t, int D) {
+    return ((size_t)table[t / j->block_size] * j->num_kv_heads + kvh) * (size_t)j->block_size * D;
+}
+
+/* Widen values t0 .. t0 + nt - 1 (nt <= TILE, possibly spanning blocks) into w->vt, zero past nt.
+ * Key t's value component d lies at head + (t % bs) / 2 * 2D + 2d + t % 2 (pairs of keys). */
+static inline __attribute__((always_inline)) void load_values(const Job *j, const int32_t *table, int kvh, int t0,
+                                                            int nt, const int D, const Scratch *w) {
+    const int bs = j->block_size, NV = D / 16;
+    float *vt = (float *)w->vt;
+    if (nt == TILE && bs % TILE == 0 && j->dtype == 1) { /* a full bf16 tile inside one block */
+        const uint32_t *v = (const uint32_t *)j->v_cache + head_offset(j, table, kvh, t0, D) / 2 + (t0 % bs) / 2 * D;
+        for (int m = 0; m < TILE / 2; m++)
+            for (int k = 0; k < NV; k++) { /* 16 pairs: low half key 2m, high half key 2m + 1 */
+                vi16 pairs;
+                memcpy(&pairs, v + (size_t)m * D + 16 * k, sizeof(pairs));
+                w->vt[(2 * m) * NV + k] = (vf16)(pairs << 16);
+                w->vt[(2 * m + 1) * NV + k] = (vf16)(pairs & (int32_t)0xFFFF0000);
+            }
         return;
     }
-    int o = 0;
-    while (o < nt) {
+    for (int o = 0; o < TILE; o++) {
+        float *row = vt + (size_t)o * D;
+        if (o >= nt) {
+            memset(row, 0, sizeof(float) * (size_t)D);
+            continue;
+        }
         const int t = t0 + o, off = t % bs;
-        const int n = nt - o < bs - off ? nt - o : bs - off;
-        const size_t head = ((size_t)table[t / bs] * j->num_kv_heads + kvh) * (size_t)bs * D;
-        for (int d = 0; d < D; d++) load_floats(j->k_cache, head + (size_t)d * bs + off, n, j->dtype, kt + d * TILE + o);
-        load_floats(j->v_cache, head + (size_t)off * D, n * D, j->dtype, vt + (size_t)o * D);
-        o += n;
+        const size_t base = head_offset(j, table, kvh, t, D) + (size_t)(off / 2) * 2 * D + off % 2;
+        for (int d = 0; d < D; d++) load_floats(j->v_cache, base + 2 * (size_t)d, 1, j->dtype, row + d);
     }
-    for (; o < TILE; o++) {
-        for (int d = 0; d < D; d++) kt[d * TILE + o] = 0.f;
-        memset(vt + (size_t)o * D, 0, sizeof(float) * (size_t)D);
+}
+
+/* Widen keys t0 .. t0 + nt - 1 into w->kt (float scores), zero lanes past nt. Key t's
+ * components d, d + 1 (d even) lie at head + d * bs + 2 * (t % bs). */
+static inline __attribute__((always_inline)) void load_keys(const Job *j, const int32_t *table, int kvh, int t0,
+                                                          int nt, const int D, const Scratch *w) {
+    const int bs = j->block_size;
+    float *kt = (float *)w->kt;
+    if (nt == TILE && bs % TILE == 0 && j->dtype == 1) { /* a full bf16 tile inside one block */
+        const uint16_t *k = (const uint16_t *)j->k_cache + head_offset(j, table, kvh, t0, D) + 2 * (t0 % bs);
+        for (int d = 0; d < D; d += 2) { /* TILE 32-bit pairs: low half component d, high d + 1 */
+            vi16 pairs;
+            memcpy(&pairs, k + (size_t)d * bs, sizeof(pairs));
+            w->kt[d] = (vf16)(pairs << 16);
+            w->kt[d + 1] = (vf16)(pairs & (int32_t)0xFFFF0000);
+        }
+        return;
     }
+    for (int o = 0; o < TILE; o++) {
+        if (o >= nt) {
+            for (int d = 0; d < D; d++) kt[d * TILE + o] = 0.f;
+            continue;
+        }
+        const int t = t0 + o;
+        const size_t base = head_offset(j, table, kvh, t, D) + 2 * (size_t)(t % bs);
+        for (int d = 0; d < D; d += 2) {
+            float pair[2];
+            load_floats(j->k_cache, base + (size_t)d * bs, 2, j->dtype, pair);
+            kt[d * TILE + o] = pair[0];
+            kt[(d + 1) * TILE + o] = pair[1];
+        }
+    }
+}
+
+/* The bf16 key and value pairs of keys t0 .. t0 + nt - 1: straight from the cache for a full
+ * tile inside one block, else staged into w->kp / w->vp with zeros past nt. */
+static inline TilePairs tile_pairs(const Job *j, const int32_t *table, int kvh, int t0, int nt, const int D,
+                                   const Scratch *w) {
+    const int bs = j->block_size;
+    const uint32_t *kc = (const uint32_t *)j->k_cache, *vc = (const uint32_t *)j->v_cache;
+    if (nt == TILE && bs % TILE == 0) {
+        const size_t head = head_offset(j, table, kvh, t0, D) / 2;
+        const TilePairs direct = {kc + head + t0 % bs, vc + head + (size_t)(t0 % bs) / 2 * D, bs, D};
+        return direct;
+    }
+    uint16_t *vp = (uint16_t *)w->vp;
+    for (int o = 0; o < TILE; o++) {
+        const int t = t0 + o, off = t % bs;
+        const size_t head = o < nt ? head_offset(j, table, kvh, t, D) / 2 : 0;
+        for (int i = 0; i < D / 2; i++) w->kp[i * TILE + o] = o < nt ? kc[head + (size_t)i * bs + off] : 0u;
+        const uint16_t *v = (const uint16_t *)(vc + head + (size_t)(off / 2) * D) + off % 2;
+        for (int d = 0; d < D; d++) vp[((size_t)(o / 2) * D + d) * 2 + o % 2] = o < nt ? v[2 * d] : 0;
+    }
+    const TilePairs staged = {w->kp, w->vp, TILE, D};
+    return staged;
 }
 
 /* Ask for the K/V of keys t_begin .. t_end - 1 ahead of use: whole (block, kv head) regions,
@@ -168,57 +234,107 @@ static inline __attribute__((always_inline)) void load_tile(const Job *j, const 
  * and without this the kernel waited on memory for about half its time. */
 static inline void prefetch_keys(const Job *j, const int32_t *table, int kvh, int t_begin, int t_end, int D) {
     const int bs = j->block_size;
-    const size_t bytes = (size_t)bs * D * (j->dtype == 1 ? 2 : 4);
+    const size_t elem = j->dtype == 1 ? 2 : 4, bytes = (size_t)bs * D * elem;
     for (int t = (t_begin + bs - 1) / bs * bs; t < t_end; t += bs) {
-        const size_t head = ((size_t)table[t / bs] * j->num_kv_heads + kvh) * bytes;
+        const size_t head = head_offset(j, table, kvh, t, D) * elem;
         for (size_t b = 0; b < bytes; b += 64) {
-            __builtin_prefetch((const char *)j->k_cache + head + b, 0, PREFETCH_LOCALITY);
-            __builtin_prefetch((const char *)j->v_cache + head + b, 0, PREFETCH_LOCALITY);
+            __builtin_prefetch((const char *)j->k_cache + head + b);
+            __builtin_prefetch((const char *)j->v_cache + head + b);
         }
     }
 }
 
-/* One tile of keys (in w->kt / w->vt) for query rows r0 .. r0 + RB - 1, RB <= 4 a constant so
- * that every loop carries independent chains in registers: the scores' FMAs (two chains per
- * row, over even and odd components) share each kt load, and the value loop updates all RB
- * rows' accumulators per key. */
+/* One tile of keys for query rows r0 .. r0 + RB - 1, RB <= 4 a constant so that every loop
+ * carries independent chains in registers: the scores (two chains per row, over even and odd
+ * components or pairs) share each key load, and the value loop updates all RB rows'
+ * accumulators per key. With `pairs` set (bf16 cache, AVX512-BF16), scores and values use bf16
+ * dot products; the probabilities are then rounded to bf16 for the value products, as torch's
+ * own flash kernel does, and their sum is taken of the rounded values. */
 static inline __attribute__((always_inline)) void attend_rows(const Scratch *w, int r0, const int RB, int pos0, int G,
-                                                            int t0, int nt, const int D) {
+                                                            int t0, int nt, const int D, TilePairs pairs,
+                                                            float scale) {
     const int NV = D / 16;
     const vf16 zero = {0};
     const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const float *qr[4];
-    for (int u = 0; u < RB; u++) qr[u] = w->qf + (size_t)(r0 + u) * D;
-    vf16 even[4], odd[4];
-    for (int u = 0; u < RB; u++) even[u] = odd[u] = zero;
-    for (int d = 0; d < D; d += 2) {
-        const vf16 k0 = w->kt[d], k1 = w->kt[d + 1];
-        for (int u = 0; u < RB; u++) {
-            even[u] += qr[u][d] * k0;
-            odd[u] += qr[u][d + 1] * k1;
+    vf16 sc[4];
+#if HAVE_BF16_DOT
+    if (pairs.keys) {
+        const uint32_t *qp[4];
+        for (int u = 0; u < RB; u++) qp[u] = w->qp + (size_t)(r0 + u) * (D / 2);
+        __m512 even[4], odd[4];
+        for (int u = 0; u < RB; u++) even[u] = odd[u] = _mm512_setzero_ps();
+        for (int i = 0; i < D / 2; i += 2) {
+            const __m512bh k0 = (__m512bh)_mm512_loadu_si512(pairs.keys + (size_t)i * pairs.key_stride);
+            const __m512bh k1 = (__m512bh)_mm512_loadu_si512(pairs.keys + (size_t)(i + 1) * pairs.key_stride);
+            for (int u = 0; u < RB; u++) {
+                even[u] = _mm512_dpbf16_ps(even[u], (__m512bh)_mm512_set1_epi32((int)qp[u][i]), k0);
+                odd[u] = _mm512_dpbf16_ps(odd[u], (__m512bh)_mm512_set1_epi32((int)qp[u][i + 1]), k1);
+            }
         }
+        for (int u = 0; u < RB; u++) sc[u] = (vf16)(even[u] + odd[u]) * scale;
+    } else
+#endif
+    {
+        (void)pairs;
+        (void)scale;
+        const float *qr[4];
+        for (int u = 0; u < RB; u++) qr[u] = w->qf + (size_t)(r0 + u) * D;
+        vf16 even[4], odd[4];
+        for (int u = 0; u < RB; u++) even[u] = odd[u] = zero;
+        for (int d = 0; d < D; d += 2) {
+            const vf16 k0 = w->kt[d], k1 = w->kt[d + 1];
+            for (int u = 0; u < RB; u++) {
+                even[u] += qr[u][d] * k0;
+                odd[u] += qr[u][d + 1] * k1;
+            }
+        }
+        for (int u = 0; u < RB; u++) sc[u] = even[u] + odd[u];
     }
     vf16 p[4], a[4][NV];
-    int keys = 0; /* keys of the tile any of the rows sees */
+    int seen = 0; /* keys of the tile any of the rows sees */
+#if HAVE_BF16_DOT
+    uint32_t p_pairs[4][TILE / 2]; /* bf16 (p[2m], p[2m + 1]) */
+#endif
     for (int u = 0; u < RB; u++) {
         const int r = r0 + u, pos = pos0 + r / G;
         const int valid = pos - t0 + 1 < nt ? pos - t0 + 1 : nt;
-        keys = valid > keys ? valid : keys;
+        seen = valid > seen ? valid : seen;
         const vi16 keep = lane < valid;
-        const vf16 sc = vselect(keep, even[u] + odd[u], zero - 1e30f);
-        const float old = w->mx[r], tile_max = vmax_lanes(sc);
+        const vf16 s = vselect(keep, sc[u], zero - 1e30f);
+        const float old = w->mx[r], tile_max = vmax_lanes(s);
         const float m = tile_max > old ? tile_max : old;
-        p[u] = vselect(keep, vexp_nonpositive(sc - m), zero);
+        p[u] = vselect(keep, vexp_nonpositive(s - m), zero);
+#if HAVE_BF16_DOT
+        if (pairs.keys) {
+            const __m256bh rounded = _mm512_cvtneps_pbh((__m512)p[u]);
+            memcpy(p_pairs[u], &rounded, sizeof(rounded));
+            p[u] = (vf16)_mm512_cvtpbh_ps(rounded);
+        }
+#endif
         const float corr = expf(old - m);
         w->mx[r] = m;
         w->den[r] = w->den[r] * corr + vsum_lanes(p[u]);
         for (int k = 0; k < NV; k++) a[u][k] = w->acc[(size_t)r * NV + k] * corr;
     }
-    for (int o = 0; o < keys; o++) {
-        const vf16 *vr = w->vt + (size_t)o * NV;
-        for (int u = 0; u < RB; u++) {
-            const float po = p[u][o];
-            for (int k = 0; k < NV; k++) a[u][k] += po * vr[k];
+#if HAVE_BF16_DOT
+    if (pairs.keys) {
+        for (int m = 0; 2 * m < seen; m++) {
+            const uint32_t *v = pairs.values + (size_t)m * pairs.value_stride;
+            for (int u = 0; u < RB; u++) {
+                const __m512bh pm = (__m512bh)_mm512_set1_epi32((int)p_pairs[u][m]);
+                for (int k = 0; k < NV; k++)
+                    a[u][k] = (vf16)_mm512_dpbf16_ps((__m512)a[u][k], pm, (__m512bh)_mm512_loadu_si512(v + 16 * k));
+            }
+        }
+    } else
+#endif
+    {
+        for (int o = 0; o < seen; o++) {
+            const vf16 *vr = w->vt + (size_t)o * NV;
+            for (int u = 0; u < RB; u++) {
+                const float po = p[u][o];
+                for (int k = 0; k < NV; k++) a[u][k] += po * vr[k];
+            }
         }
     }
     for (int u = 0; u < RB; u++)
@@ -233,14 +349,20 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
     const int pos0 = slen - qlen + i0; /* position of the item's first query token */
     const int rows = nq * G;
     const int32_t *table = j->block_tables + (size_t)c * j->max_blocks;
+    const int bf16_dot = HAVE_BF16_DOT && j->dtype == 1;
     const vf16 zero = {0};
 
     for (int i = 0; i < nq; i++)
         for (int g = 0; g < G; g++) {
-            float *dst = w->qf + (size_t)(i * G + g) * D;
-            load_floats(j->q, (size_t)(start + i0 + i) * j->q_row_stride + (size_t)(kvh * G + g) * D, D, j->dtype,
-                        dst);
-            for (int d = 0; d < D; d++) dst[d] *= j->scale;
+            const size_t src = (size_t)(start + i0 + i) * j->q_row_stride + (size_t)(kvh * G + g) * D;
+            const int r = i * G + g;
+            if (bf16_dot) { /* raw pairs; the scale goes on the scores */
+                memcpy(w->qp + (size_t)r * (D / 2), (const uint16_t *)j->q + src, sizeof(uint16_t) * (size_t)D);
+            } else {
+                float *dst = w->qf + (size_t)r * D;
+                load_floats(j->q, src, D, j->dtype, dst);
+                for (int d = 0; d < D; d++) dst[d] *= j->scale;
+            }
         }
     for (int r = 0; r < rows; r++) { w->mx[r] = -1e30f; w->den[r] = 0.f; }
     for (int k = 0; k < rows * NV; k++) w->acc[k] = zero;
@@ -252,14 +374,20 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
         if (t0 + PREFETCH_AHEAD < num_keys)
             prefetch_keys(j, table, kvh, t0 + PREFETCH_AHEAD,
                           num_keys < t0 + PREFETCH_AHEAD + TILE ? num_keys : t0 + PREFETCH_AHEAD + TILE, D);
-        load_tile(j, table, kvh, t0, nt, D, w);
+        TilePairs pairs = {NULL, NULL, 0, 0};
+        if (bf16_dot) {
+            pairs = tile_pairs(j, table, kvh, t0, nt, D, w);
+        } else {
+            load_keys(j, table, kvh, t0, nt, D, w);
+            load_values(j, table, kvh, t0, nt, D, w);
+        }
         /* Rows are in position order: those before position t0 see none of this tile. */
         int r0 = (t0 > pos0 ? t0 - pos0 : 0) * G;
-        for (; r0 + 4 <= rows; r0 += 4) attend_rows(w, r0, 4, pos0, G, t0, nt, D);
+        for (; r0 + 4 <= rows; r0 += 4) attend_rows(w, r0, 4, pos0, G, t0, nt, D, pairs, j->scale);
         switch (rows - r0) {
-            case 3: attend_rows(w, r0, 3, pos0, G, t0, nt, D); break;
-            case 2: attend_rows(w, r0, 2, pos0, G, t0, nt, D); break;
-            case 1: attend_rows(w, r0, 1, pos0, G, t0, nt, D); break;
+            case 3: attend_rows(w, r0, 3, pos0, G, t0, nt, D, pairs, j->scale); break;
+            case 2: attend_rows(w, r0, 2, pos0, G, t0, nt, D, pairs, j->scale); break;
+            case 1: attend_rows(w, r0, 1, pos0, G, t0, nt, D, pairs, j->scale); break;
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -299,9 +427,11 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, con
 #pragma omp parallel
     {
         const size_t rows = (size_t)QROWS * G;
-        Scratch w = {aligned_buffer(sizeof(float) * rows * D), aligned_buffer(sizeof(float) * rows * D),
-                     aligned_buffer(sizeof(float) * rows), aligned_buffer(sizeof(float) * rows),
-                     aligned_buffer(sizeof(float) * TILE * D), aligned_buffer(sizeof(float) * TILE * D)};
+        Scratch w = {aligned_buffer(sizeof(float) * rows * D), aligned_buffer(sizeof(uint16_t) * rows * D),
+                     aligned_buffer(sizeof(float) * rows * D), aligned_buffer(sizeof(float) * rows),
+                     aligned_buffer(sizeof(float) * rows), aligned_buffer(sizeof(float) * TILE * D),
+                     aligned_buffer(sizeof(uint16_t) * TILE * D), aligned_buffer(sizeof(float) * TILE * D),
+                     aligned_buffer(sizeof(uint16_t) * TILE * D)};
         /* Items differ in cost (context length, causal position): hand them out dynamically. */
 #pragma omp for schedule(dynamic, 1)
         for (int item = 0; item < items; item++) {
@@ -316,7 +446,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, con
             else if (D == 128) attend_item(&job, lo, kvh, i0, 128, &w);
             else attend_item(&job, lo, kvh, i0, D, &w);
         }
-        free(w.qf); free(w.acc); free(w.mx); free(w.den); free(w.kt); free(w.vt);
+        free(w.qf); free(w.qp); free(w.acc); free(w.mx); free(w.den); free(w.kt); free(w.kp); free(w.vt); free(w.vp);
     }
     free(first_item);
     return 0;
@@ -335,13 +465,12 @@ void write_kv_cache(const void *k, const void *v, const int64_t *slot_mapping, v
             const size_t head = ((size_t)block * num_kv_heads + h) * (size_t)bs * D;
             const char *ks = (const char *)k + ((size_t)t * k_row_stride + (size_t)h * D) * elem_size;
             const char *vs = (const char *)v + ((size_t)t * v_row_stride + (size_t)h * D) * elem_size;
-            memcpy((char *)v_cache + (head + (size_t)off * D) * elem_size, vs, (size_t)D * elem_size);
-            if (elem_size == 2)
-                for (int d = 0; d < D; d++)
-                    ((uint16_t *)k_cache)[head + (size_t)d * bs + off] = ((const uint16_t *)ks)[d];
-            else
-                for (int d = 0; d < D; d++)
-                    ((float *)k_cache)[head + (size_t)d * bs + off] = ((const float *)ks)[d];
+            for (int d = 0; d < D; d++) /* component d of key `off`, beside that of its pair key */
+                memcpy((char *)v_cache + (head + (size_t)(off / 2) * 2 * D + 2 * (size_t)d + off % 2) * elem_size,
+                       vs + (size_t)d * elem_size, (size_t)elem_size);
+            for (int d = 0; d < D; d += 2) /* components d, d + 1 of key `off`, bs pairs apart */
+                memcpy((char *)k_cache + (head + (size_t)d * bs + 2 * off) * elem_size, ks + (size_t)d * elem_size,
+                       2 * (size_t)elem_size);
         }
     }
 }
