@@ -53,6 +53,25 @@ def test_attention_kernel_matches_torch(torch_path, dtype, atol, heads, kv_heads
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=atol)
 
 
+def test_attention_kernel_float_path_for_bf16_matches_torch(torch_path, monkeypatch):
+    """CPUs without AVX512-BF16 take the kernel's float path for a bf16 cache: build that variant."""
+    variant = kernels.load_library(("-mno-avx512bf16",))
+    assert variant is not None
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(1, 40), (1, 16), (50, 50), (20, 70)]
+    free = iter(torch.randperm(100, generator=gen).tolist())
+    tables = [[next(free) for _ in range(-(-s // block_size))] for _, s in shapes]
+    meta = AttentionMetadata.build([q for q, _ in shapes], [s for _, s in shapes], tables, block_size)
+    cache = torch.randn(2, 100, kv_heads, block_size * head_dim, generator=gen).bfloat16()
+    qkv = torch.randn(sum(q for q, _ in shapes), heads + 2 * kv_heads, head_dim, generator=gen).bfloat16()
+    q, k, v = qkv[:, :heads], qkv[:, heads:heads + kv_heads], qkv[:, heads + kv_heads:]
+    expected = torch_path(lambda: paged_attention(q, k, v, cache.clone(), meta))
+    monkeypatch.setattr(kernels, "_library", lambda: variant)
+    got = paged_attention(q, k, v, cache.clone(), meta)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
 def test_fused_elementwise_ops_equal_the_torch_path(torch_path):
     """bf16 RMSNorm (+ residual), SwiGLU and RoPE kernels round where torch's ops do: equal values."""
     from tokenweir.model.layers import RotaryEmbedding, rms_norm, silu_and_mul

@@ -40,9 +40,10 @@ def _cpu_signature() -> str:
     return platform.processor()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    flags = [*_FLAGS, *extra_flags]
     source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
-    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     root = Path(os.environ.get("TOKENWEIR_CACHE_DIR", Path.home() / ".cache" / "tokenweir")) / "kernels"
     target = root / f"tokenweir_kernels-{key}.so"
     if target.exists():
@@ -50,7 +51,7 @@ def _build(compiler: str) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *_FLAGS, "-o", str(built), *map(str, _SOURCES), "-lm"], check=True,
+        subprocess.run([compiler, *flags, "-o", str(built), *map(str, _SOURCES), "-lm"], check=True,
                        capture_output=True, text=True)
         os.replace(built, target)  # atomic: concurrent builders never load a half-written file
     return target
@@ -60,12 +61,20 @@ def _build(compiler: str) -> Path:
 def _library() -> Optional[ctypes.CDLL]:
     if os.environ.get("TOKENWEIR_DISABLE_KERNELS") == "1":
         return None
+    return load_library()
+
+
+def load_library(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
+    """Build (once per source and flags) and load the kernels; None without a working compiler.
+
+    `extra_flags` lets tests build variants, e.g. without AVX512-BF16 to run the float path.
+    """
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found: using the slower pure-torch attention and elementwise ops")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(compiler, extra_flags)))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         logger.warning("building the C kernels failed (%s): using pure torch", detail.strip()[:500])

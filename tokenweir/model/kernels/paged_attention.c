@@ -3,13 +3,15 @@
  * cache through each request's block table, fp32 accumulation.
  *
  * Cache layout, per block and KV head (see attention.py): keys transposed in component pairs,
- * [head_dim / 2][block_size][2] (HOLD)
- * values as rows, [block_size][head_dim]. A tile of TILE keys is then, for every component d, a
- * contiguous run of TILE values: widened once into a float tile, it is shared by every query row
- * of the work item, and the score loop is a broadcast-FMA over the tile's keys (no horizontal
- * sums, which made the earlier row-by-row dot-product kernel latency bound at ~20 GB/s). The
- * value loop is a broadcast-FMA over head_dim. Online softmax (running max and sum per query
- * row) needs one pass over the keys.
+ * [head_dim / 2][block_size][2], values in key pairs, [block_size / 2][head_dim][2]. For every pair
+ * of components a tile of TILE keys is one contiguous run, and for every pair of keys the values'
+ * components are: exactly the operands of the bf16 dot-product instruction (vdpbf16ps, 16 lanes
+ * each += a[2i] * b[2i] + a[2i+1] * b[2i+1] in fp32), which the scores (lanes = keys) and the
+ * value sums (lanes = components) use straight from the cache where the CPU has AVX512-BF16.
+ * Elsewhere, and for fp32, the tile is widened once into floats shared by every query row of the
+ * work item and both loops are broadcast FMAs. Either way no horizontal sums (which made an
+ * earlier row-by-row dot-product kernel latency bound at ~20 GB/s) and online softmax (running
+ * max and sum per query row), so one pass over the keys.
  *
  * A work item is (request, kv head, up to QROWS query tokens); its query rows are those tokens
  * times the query heads sharing the kv head (GQA), row r = token * group + member.
