@@ -146,6 +146,12 @@ def test_decode_rows_not_contiguous(models):
         assert_close(ours[-1], hf_logits(ref, prompt)[-1])
 
 
+def test_kv_cache_needs_an_even_block_size(models):
+    _, loaded = models("llama")
+    with pytest.raises(ValueError, match="block_size must be even"):
+        allocate_kv_caches(loaded.arch, 10, 15, torch.bfloat16, "cpu")
+
+
 def test_kv_cache_helpers(models):
     _, loaded = models("llama")
     arch = loaded.arch

@@ -191,9 +191,10 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 logits [N, vocab] (computed in the model dtype, as HF does)."""
+        """[N, hidden] -> logits [N, vocab] in the model dtype, as HF computes them (the sampler
+        widens them to float32 where it needs probabilities)."""
         assert self.lm_head_linear is not None, "load_weights first"
-        return self.lm_head_linear(hidden).float()
+        return self.lm_head_linear(hidden)
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
