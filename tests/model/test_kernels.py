@@ -101,3 +101,13 @@ def test_fused_elementwise_ops_equal_the_torch_path(torch_path):
         # Equal up to the float32 sum order inside the norm (one bf16 ulp at most).
         torch.testing.assert_close(g.float(), e.float(), atol=0, rtol=2 ** -7, msg=name)
     assert torch.equal(got[4][:, 5:], qkv[:, 5:])  # heads past num_heads (v) are untouched
+
+
+@pytest.mark.parametrize("cols", [1, 15, 16, 37, 49152])
+def test_argmax_kernel_matches_torch_including_ties(cols):
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, cols, generator=gen).bfloat16()
+    x[1, :] = 0.0  # all equal: the first index
+    if cols > 20:
+        x[2, 3] = x[2, 20] = 100.0  # a tie across vector lanes and chunks
+    assert torch.equal(kernels.argmax_rows(x), x.float().argmax(dim=-1))

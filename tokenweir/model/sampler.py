@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenweir.model import kernels
+
 # Temperatures below this are treated as greedy (dividing by them would overflow).
 _GREEDY_TEMPERATURE = 1e-5
 
@@ -124,7 +126,8 @@ class Sampler:
         if meta.banned is not None:
             logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
 
-        tokens = logits.argmax(dim=-1)  # right for greedy rows; sampled rows are overwritten
+        # Right for greedy rows; sampled rows are overwritten below.
+        tokens = kernels.argmax_rows(logits) if kernels.fused_ops_available(logits) else logits.argmax(dim=-1)
         if not meta.all_greedy:
             for group in meta.groups:
                 scaled = logits[group.rows] / meta.temperature[group.rows, None]

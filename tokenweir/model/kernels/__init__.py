@@ -87,6 +87,8 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
     lib.rms_norm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
     lib.silu_and_mul_bf16.restype = None
     lib.silu_and_mul_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
+    lib.argmax_rows_bf16.restype = None
+    lib.argmax_rows_bf16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 2
     lib.rope_bf16.restype = None
     lib.rope_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     return lib
@@ -167,3 +169,12 @@ def rope_(x: torch.Tensor, num_heads: int, positions: torch.Tensor, cos: torch.T
     assert positions.dtype == torch.int64 and cos.is_contiguous() and sin_signed.is_contiguous()
     lib.rope_bf16(x.data_ptr(), positions.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), x.shape[0],
                   x.stride(0), num_heads, x.shape[2])
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """int64 [rows]: the first index of each row's largest value (x: contiguous bf16 [rows, cols])."""
+    lib = _library()
+    assert lib is not None and x.is_contiguous() and x.dtype == torch.bfloat16
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_rows_bf16(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1])
+    return out

@@ -94,6 +94,13 @@ static inline vf16 vexp_nonpositive(vf16 x) {
 
 typedef uint16_t vu16 __attribute__((vector_size(32)));
 
+/* 16 consecutive bf16 values, widened to float. */
+static inline vf16 widen_bf16x16(const uint16_t *src) {
+    vu16 h;
+    memcpy(&h, src, sizeof(h));
+    return (vf16)(__builtin_convertvector(h, vi16) << 16);
+}
+
 /* n values starting at element `offset` of `base`, widened to float. */
 static inline __attribute__((always_inline)) void load_floats(const void *base, size_t offset, int n, int dtype,
                                                             float *restrict dst) {
@@ -456,6 +463,20 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, con
 
 /* Store this step's K/V rows at their slots: k, v rows [T] of num_kv_heads * D (row strides
  * given), slot_mapping int64 [T]. */
+/* One token's K and V rows for one kv head into their slot `off` of a (block, head) region:
+ * components d, d + 1 of the key side by side, bs pairs apart; component d of the value beside
+ * that of its pair key. Typed on the element so that the strided stores stay plain moves. */
+#define STORE_SLOT(T)                                                                                   \
+    do {                                                                                                \
+        const T *ks_ = (const T *)ks, *vs_ = (const T *)vs;                                             \
+        T *kc_ = (T *)k_cache + head + 2 * (size_t)off, *vc_ = (T *)v_cache + head + (size_t)(off / 2) * 2 * D + off % 2; \
+        for (int d = 0; d < D; d += 2) {                                                                \
+            kc_[(size_t)d * bs] = ks_[d];                                                               \
+            kc_[(size_t)d * bs + 1] = ks_[d + 1];                                                       \
+        }                                                                                               \
+        for (int d = 0; d < D; d++) vc_[2 * (size_t)d] = vs_[d];                                        \
+    } while (0)
+
 void write_kv_cache(const void *k, const void *v, const int64_t *slot_mapping, void *k_cache, void *v_cache,
                     int num_tokens, int k_row_stride, int v_row_stride, int num_kv_heads, int head_dim,
                     int block_size, int elem_size) {
@@ -467,12 +488,44 @@ void write_kv_cache(const void *k, const void *v, const int64_t *slot_mapping, v
             const size_t head = ((size_t)block * num_kv_heads + h) * (size_t)bs * D;
             const char *ks = (const char *)k + ((size_t)t * k_row_stride + (size_t)h * D) * elem_size;
             const char *vs = (const char *)v + ((size_t)t * v_row_stride + (size_t)h * D) * elem_size;
-            for (int d = 0; d < D; d++) /* component d of key `off`, beside that of its pair key */
-                memcpy((char *)v_cache + (head + (size_t)(off / 2) * 2 * D + 2 * (size_t)d + off % 2) * elem_size,
-                       vs + (size_t)d * elem_size, (size_t)elem_size);
-            for (int d = 0; d < D; d += 2) /* components d, d + 1 of key `off`, bs pairs apart */
-                memcpy((char *)k_cache + (head + (size_t)d * bs + 2 * off) * elem_size, ks + (size_t)d * elem_size,
-                       2 * (size_t)elem_size);
+            if (elem_size == 2) STORE_SLOT(uint16_t);
+            else STORE_SLOT(float);
         }
+    }
+}
+
+/* Index of the largest value in each of num_rows rows of `cols` bf16 logits (first on ties, as
+ * torch.argmax). Greedy sampling on bf16 logits: torch's argmax is slow in bf16 and widening
+ * the logits to float32 first costs a full copy. */
+void argmax_rows_bf16(const uint16_t *x, int64_t *out, int num_rows, int cols) {
+    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < num_rows; r++) {
+        const uint16_t *row = x + (size_t)r * cols;
+        float best = bf16_to_f32(row[0]);
+        int64_t at = 0;
+        int c = 0;
+        if (cols >= 16) { /* per-lane maxima and where they are, then the lanes compared */
+            vf16 lane_best = widen_bf16x16(row);
+            vi16 lane_at = lane;
+            for (c = 16; c + 16 <= cols; c += 16) {
+                const vf16 v = widen_bf16x16(row + c);
+                const vi16 greater = v > lane_best;
+                lane_best = vselect(greater, v, lane_best);
+                lane_at = (greater & (lane + c)) | (~greater & lane_at);
+            }
+            best = lane_best[0];
+            at = lane_at[0];
+            for (int l = 1; l < 16; l++)
+                if (lane_best[l] > best || (lane_best[l] == best && lane_at[l] < at)) {
+                    best = lane_best[l];
+                    at = lane_at[l];
+                }
+        }
+        for (; c < cols; c++) {
+            const float v = bf16_to_f32(row[c]);
+            if (v > best) { best = v; at = c; }
+        }
+        out[r] = at;
     }
 }
