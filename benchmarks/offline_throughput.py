@@ -74,7 +74,7 @@ _PARTS = {
     "K/V cache writes (C)": [("kernels/__init__.py", "write_kv_cache")],
     "RMSNorm, SwiGLU, RoPE (C)": [("kernels/__init__.py", "rms_norm"), ("kernels/__init__.py", "silu_and_mul"),
                                   ("kernels/__init__.py", "rope_")],
-    "sampling (argmax over the vocabulary)": [("~", "argmax")],
+    "sampling (argmax over the vocabulary)": [("kernels/__init__.py", "argmax_rows"), ("~", "argmax")],
 }
 
 
