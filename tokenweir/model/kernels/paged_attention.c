@@ -30,19 +30,11 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "vec16.h"
 
 #define TILE 16 /* keys per tile: one 16-lane float vector */
 #define QROWS 32
 #define PREFETCH_AHEAD (2 * TILE) /* keys */
-
-/* GCC/Clang vector extensions: AVX-512 registers under -march=native on this machine, narrower
- * ones elsewhere, without intrinsics. */
-typedef float vf16 __attribute__((vector_size(64)));
-typedef int32_t vi16 __attribute__((vector_size(64)));
-
-static inline vf16 vselect(vi16 mask, vf16 a, vf16 b) {
-    return (vf16)(((vi16)a & mask) | ((vi16)b & ~mask));
-}
 
 #if defined(__clang__)
 #define SHUFFLE16(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
@@ -90,15 +82,6 @@ static inline vf16 vexp_nonpositive(vf16 x) {
     p = p * f + 6.9314718055994531e-1f;
     p = p * f + 1.f;
     return (vf16)((vi16)p + (n << 23));
-}
-
-typedef uint16_t vu16 __attribute__((vector_size(32)));
-
-/* 16 consecutive bf16 values, widened to float. */
-static inline vf16 widen_bf16x16(const uint16_t *src) {
-    vu16 h;
-    memcpy(&h, src, sizeof(h));
-    return (vf16)(__builtin_convertvector(h, vi16) << 16);
 }
 
 /* n values starting at element `offset` of `base`, widened to float. */
@@ -491,41 +474,5 @@ void write_kv_cache(const void *k, const void *v, const int64_t *slot_mapping, v
             if (elem_size == 2) STORE_SLOT(uint16_t);
             else STORE_SLOT(float);
         }
-    }
-}
-
-/* Index of the largest value in each of num_rows rows of `cols` bf16 logits (first on ties, as
- * torch.argmax). Greedy sampling on bf16 logits: torch's argmax is slow in bf16 and widening
- * the logits to float32 first costs a full copy. */
-void argmax_rows_bf16(const uint16_t *x, int64_t *out, int num_rows, int cols) {
-    const vi16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-#pragma omp parallel for schedule(static)
-    for (int r = 0; r < num_rows; r++) {
-        const uint16_t *row = x + (size_t)r * cols;
-        float best = bf16_to_f32(row[0]);
-        int64_t at = 0;
-        int c = 0;
-        if (cols >= 16) { /* per-lane maxima and where they are, then the lanes compared */
-            vf16 lane_best = widen_bf16x16(row);
-            vi16 lane_at = lane;
-            for (c = 16; c + 16 <= cols; c += 16) {
-                const vf16 v = widen_bf16x16(row + c);
-                const vi16 greater = v > lane_best;
-                lane_best = vselect(greater, v, lane_best);
-                lane_at = (greater & (lane + c)) | (~greater & lane_at);
-            }
-            best = lane_best[0];
-            at = lane_at[0];
-            for (int l = 1; l < 16; l++)
-                if (lane_best[l] > best || (lane_best[l] == best && lane_at[l] < at)) {
-                    best = lane_best[l];
-                    at = lane_at[l];
-                }
-        }
-        for (; c < cols; c++) {
-            const float v = bf16_to_f32(row[c]);
-            if (v > best) { best = v; at = c; }
-        }
-        out[r] = at;
     }
 }
