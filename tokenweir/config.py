@@ -125,6 +125,12 @@ class EngineArgs:
     kv_cache_memory: Union[None, int, str] = None
     disable_log_stats: bool = False
 
+    def __post_init__(self) -> None:
+        # The scheduler core takes any block size; the model's KV cache stores keys and values
+        # in pairs (attention.py), so the engine needs an even one.
+        if self.block_size < 2 or self.block_size % 2:
+            raise ValueError(f"block_size must be a positive even number of tokens, got {self.block_size}")
+
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]

@@ -73,6 +73,13 @@ def test_engine_args_resolve_against_model_and_pool():
     assert sched.max_num_batched_tokens == 4096
 
 
+@pytest.mark.parametrize("block_size", [0, 1, 15, -16])
+def test_engine_block_size_must_be_positive_and_even(block_size):
+    # The model's KV cache stores key and value pairs; the scheduler core alone takes any size.
+    with pytest.raises(ValueError, match=f"block_size must be a positive even number of tokens, got {block_size}"):
+        EngineArgs(block_size=block_size)
+
+
 def test_parse_size():
     assert parse_size("2GiB") == 2 * 1024**3 and parse_size("512MiB") == 512 * 1024**2
     assert parse_size("1.5G") == 1_500_000_000 and parse_size(4096) == 4096

@@ -27,3 +27,11 @@ def test_generate_prints_a_completion_from_the_default_model():
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
+
+
+def test_a_bad_setting_is_a_one_line_error_not_a_traceback():
+    result = subprocess.run([sys.executable, "-m", "tokenweir.cli", "generate", "hi", "--block-size", "15"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith("error: block_size must be a positive even number of tokens, got 15")
+    assert "Traceback" not in result.stderr
