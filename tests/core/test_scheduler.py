@@ -372,3 +372,18 @@ def test_stats_and_timestamps(make_scheduler):
     step(s, runner, now=2.0)
     assert (a.first_scheduled_time, a.first_token_time, a.token_times, a.finished_time) == (1.0, 1.0, [1.0, 2.0], 2.0)
     run_until_done(s, runner)
+
+
+def test_equal_priority_requests_do_not_preempt_each_other_forever(make_scheduler):
+    """Found by the property test: two equal-priority prompts that only fit one at a time,
+    prefilled in threshold-sized pieces. With ties between them left to list order, each in turn
+    was the victim and neither ever finished; ties now fall to the request id."""
+    s = make_scheduler(max_num_batched_tokens=24, max_num_seqs=2, block_size=1, num_blocks=21,
+                       policy="priority", enable_chunked_prefill=False, long_prefill_token_threshold=3,
+                       enable_prefix_caching=False, max_model_len=24)
+    runner = PagedFakeRunner(s.block_size)
+    r0, r1 = (make_request(rid, list(range(10, 30)) + [100], max_tokens=1, ignore_eos=True) for rid in ("r0", "r1"))
+    s.add_request(r0)
+    s.add_request(r1)
+    run_until_done(s, runner, max_steps=100)
+    assert r1.num_preemptions >= 1 and r0.num_preemptions == 0  # always the same victim

@@ -132,13 +132,15 @@ class FCFSPolicy(SchedulingPolicy):
         return running[-1]
 
 
-def priority_key(request: Request) -> tuple[int, float]:
-    return (request.priority, request.arrival_time)
+def priority_key(request: Request) -> tuple[int, float, str]:
+    # A total order: with ties left to list order, a re-admitted victim could outrank the
+    # request that preempted it, and two equal requests would preempt each other forever.
+    return (request.priority, request.arrival_time, request.request_id)
 
 
 class PriorityPolicy(SchedulingPolicy):
-    """Smaller `priority` first, then earlier arrival. The victim is the lowest-priority,
-    latest-arrived running request, and a waiting request may preempt any running request
+    """Smaller `priority` first, then earlier arrival, then request id. The victim is the
+    running request that sorts last, and a waiting request may preempt any running request
     that sorts after it."""
 
     name = "priority"
