@@ -21,6 +21,7 @@ paged_attention.c). Block sizes must be even. `key_cache` / `value_cache` give t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,11 +83,12 @@ class AttentionMetadata:
     query_lens: torch.Tensor  # int32 [B]
     seq_lens: torch.Tensor  # int32 [B]: context length including this step's tokens
     block_tables: torch.Tensor  # int32 [B, max_blocks_per_seq], padded with 0
-    query_lens_list: list[int]
-    seq_lens_list: list[int]
     block_size: int
-    decode: DecodeBatch | None
-    prefills: list[PrefillChunk]
+    # The step as lists, from which the torch path's structures are built on first use only:
+    # the C kernel needs none of them.
+    _starts: list[int] = field(repr=False)
+    _seq_lens: list[int] = field(repr=False)
+    _tables: list[list[int]] = field(repr=False)
     # Masks converted to the model's dtype, filled on first use: SDPA wants a float mask in
     # the query's dtype, and the dtype is a property of the model, not of the step.
     _float_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, repr=False)
@@ -104,21 +106,14 @@ class AttentionMetadata:
             raise ValueError("query_lens, seq_lens and block_tables need one entry per request (at least one)")
         slots: list[int] = []
         starts = [0]
-        decode_rows: list[int] = []
-        prefills: list[PrefillChunk] = []
         for r, (qlen, slen, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
             if qlen < 1 or slen < qlen:
                 raise ValueError(f"request {r}: query_len {qlen} and seq_len {slen} are inconsistent")
             if len(table) * block_size < slen:
                 raise ValueError(f"request {r}: {len(table)} blocks cannot hold {slen} tokens")
-            start = starts[-1]
             for p in range(slen - qlen, slen):
                 slots.append(table[p // block_size] * block_size + p % block_size)
-            starts.append(start + qlen)
-            if qlen == 1:
-                decode_rows.append(r)
-            else:
-                prefills.append(_prefill_chunk(start, qlen, slen, table, block_size, device))
+            starts.append(starts[-1] + qlen)
 
         max_blocks = max(len(t) for t in block_tables)
         padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
@@ -128,12 +123,26 @@ class AttentionMetadata:
             query_lens=torch.tensor(query_lens, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
             block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            query_lens_list=list(query_lens),
-            seq_lens_list=list(seq_lens),
             block_size=block_size,
-            decode=_decode_batch(decode_rows, starts, seq_lens, block_tables, block_size, device),
-            prefills=prefills,
+            _starts=starts,
+            _seq_lens=list(seq_lens),
+            _tables=block_tables,
         )
+
+    @functools.cached_property
+    def decode(self) -> DecodeBatch | None:
+        """The step's one-token queries, for the torch path."""
+        rows = [r for r in range(len(self._seq_lens)) if self._starts[r + 1] - self._starts[r] == 1]
+        return _decode_batch(rows, self._starts, self._seq_lens, self._tables, self.block_size,
+                             self.slot_mapping.device)
+
+    @functools.cached_property
+    def prefills(self) -> list[PrefillChunk]:
+        """The step's multi-token chunks, for the torch path."""
+        return [_prefill_chunk(self._starts[r], self._starts[r + 1] - self._starts[r], slen, table,
+                               self.block_size, self.slot_mapping.device)
+                for r, (slen, table) in enumerate(zip(self._seq_lens, self._tables))
+                if self._starts[r + 1] - self._starts[r] > 1]
 
     def float_mask(self, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         key = (id(mask), dtype)
