@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from tokenweir import SamplingParams
 from tests.hf_reference import hf_greedy
@@ -58,3 +59,22 @@ def test_greedy_matches_transformers_on_tiny_models(make_llm, tiny_model_dir, ar
     expected = hf_greedy(folder, prompts, NUM_NEW, pad_token_id=0)
     for scenario in SCENARIOS:
         check_scenario(make_llm, folder, prompts, expected, scenario)
+
+
+def test_torch_attention_path_matches_transformers(make_llm, tiny_model_dir, monkeypatch):
+    """The path CUDA (and a CPU without a C compiler) takes: SDPA over gathered K/V, torch
+    elementwise ops. Same scenarios, kernels switched off."""
+    from tokenweir.model import kernels
+    from tests.model.tiny_models import VOCAB_SIZE
+
+    monkeypatch.setenv("TOKENWEIR_DISABLE_KERNELS", "1")
+    kernels._library.cache_clear()  # so that it reads the variable again (and again after)
+    try:
+        assert not kernels.attention_kernel_available(torch.device("cpu"), torch.float32, 64)
+        folder = tiny_model_dir("llama")
+        prompts = make_prompts(VOCAB_SIZE)
+        expected = hf_greedy(folder, prompts, NUM_NEW, pad_token_id=0)
+        for scenario in SCENARIOS:
+            check_scenario(make_llm, folder, prompts, expected, scenario)
+    finally:
+        kernels._library.cache_clear()
