@@ -120,9 +120,10 @@ class SamplerOutput:
 class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] (any float dtype) -> one token per row."""
-        if not meta.all_greedy or any(n is not None for n in meta.num_logprobs):
+        wants_logprobs = any(n is not None for n in meta.num_logprobs)
+        if not meta.all_greedy or wants_logprobs:
             logits = logits.float()  # probabilities in float32; argmax alone needs no widening
-        raw_logprobs = logits.log_softmax(dim=-1) if any(n is not None for n in meta.num_logprobs) else None
+        raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if meta.banned is not None:
             logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
 
