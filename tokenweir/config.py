@@ -6,6 +6,7 @@ model (max_model_len) and checks that the knobs agree with each other. No torch 
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, fields
 from typing import Optional, Union
@@ -33,6 +34,15 @@ def parse_size(value: Union[int, float, str]) -> int:
     return size
 
 
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
@@ -45,17 +55,17 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_seqs", self.max_num_seqs, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 1)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
-        if self.long_prefill_token_threshold < 0:
+        if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
             raise ValueError(
-                f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) splits prompts into "
+                "chunks, but enable_chunked_prefill is off; set it to 0 or enable chunked prefill")
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
@@ -74,18 +84,20 @@ class CacheConfig:
     swap_space: float = 0.0  # GiB of host memory for swap preemption
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks < 0:
-            raise ValueError(f"num_blocks must be >= 0, got {self.num_blocks}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        _check_int("block_size", self.block_size, 1)
+        _check_int("num_blocks", self.num_blocks, 0)
+        if not _is_number(self.watermark) or not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r} "
                 "(swap preemption is not implemented yet)")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if not _is_number(self.swap_space) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}")
+        if self.swap_space and self.preemption_mode == "recompute":
+            raise ValueError(
+                f"swap_space ({self.swap_space} GiB) would never be used: preemption_mode 'recompute' "
+                "does not swap; leave swap_space at 0")
 
     @property
     def watermark_blocks(self) -> int:
@@ -128,8 +140,15 @@ class EngineArgs:
     def __post_init__(self) -> None:
         # The scheduler core takes any block size; the model's KV cache stores keys and values
         # in pairs (attention.py), so the engine needs an even one.
-        if self.block_size < 2 or self.block_size % 2:
-            raise ValueError(f"block_size must be a positive even number of tokens, got {self.block_size}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
+                or self.block_size < 2 or self.block_size % 2:
+            raise ValueError(f"block_size must be a positive even number of tokens, got {self.block_size!r}")
+        if self.num_gpu_blocks_override is not None:
+            _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
+            if self.kv_cache_memory is not None:
+                raise ValueError(
+                    f"num_gpu_blocks_override ({self.num_gpu_blocks_override}) and kv_cache_memory "
+                    f"({self.kv_cache_memory!r}) both size the KV pool; set only one of them")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -6,6 +6,7 @@ No torch here: the scheduler, the simulator and the router import this module.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -75,8 +76,13 @@ class SamplingParams:
             self.stop = []
         elif isinstance(self.stop, str):
             self.stop = [self.stop]
-        else:
+        elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
+            raise ValueError(
+                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
 
@@ -85,7 +91,7 @@ class SamplingParams:
             return isinstance(x, int) and not isinstance(x, bool)
 
         def is_num(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
+            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
@@ -110,6 +116,9 @@ class SamplingParams:
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.seed is not None and not is_int(self.seed):
             raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):

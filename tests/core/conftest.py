@@ -1,20 +1,37 @@
 from __future__ import annotations
 
+from typing import Any, Callable, Iterator
+
 import pytest
 
-from tests.core.helpers import assert_no_leaks, create_scheduler
+from tests.core.helpers import assert_kv_released, assert_no_leaks, assert_pool_released, create_scheduler
+from tokenweir.core.block_pool import BlockPool
+from tokenweir.core.kv_cache_manager import KVCacheManager
+
+
+def _checked_factory(build: Callable[..., Any], check: Callable[[Any], None]) -> Iterator[Callable[..., Any]]:
+    """A factory whose every product is checked for leaks when the test ends."""
+    created = []
+
+    def factory(*args, **kwargs):
+        created.append(build(*args, **kwargs))
+        return created[-1]
+
+    yield factory
+    for thing in created:
+        check(thing)
 
 
 @pytest.fixture
 def make_scheduler():
-    """`create_scheduler` whose every scheduler is leak-checked when the test ends."""
-    created = []
+    yield from _checked_factory(create_scheduler, assert_no_leaks)
 
-    def factory(**kwargs):
-        scheduler = create_scheduler(**kwargs)
-        created.append(scheduler)
-        return scheduler
 
-    yield factory
-    for scheduler in created:
-        assert_no_leaks(scheduler)
+@pytest.fixture
+def make_kv():
+    yield from _checked_factory(KVCacheManager, assert_kv_released)
+
+
+@pytest.fixture
+def make_pool():
+    yield from _checked_factory(BlockPool, assert_pool_released)

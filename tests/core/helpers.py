@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from tokenweir.config import CacheConfig, SchedulerConfig
+from tokenweir.core.block_pool import BlockPool
+from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
 from tokenweir.request import Request, SamplingParams
 
@@ -141,11 +143,20 @@ def run_until_done(scheduler: Scheduler, runner: PagedFakeRunner, max_steps: int
     return steps
 
 
+def assert_pool_released(pool: BlockPool) -> None:
+    """Every block has ref count 0 and sits exactly once in the free queue."""
+    assert all(b.ref_cnt == 0 for b in pool.blocks)
+    assert pool.get_num_free_blocks() == pool.num_blocks
+    assert sorted(b.block_id for b in pool.free_block_queue) == list(range(pool.num_blocks))
+
+
+def assert_kv_released(kv: KVCacheManager) -> None:
+    assert kv.req_to_blocks == {}
+    assert_pool_released(kv.block_pool)
+
+
 def assert_no_leaks(scheduler: Scheduler) -> None:
     """After a test: nothing queued or running, every block free with ref count 0."""
     assert not scheduler.has_unfinished_requests(), list(scheduler.requests)
     assert len(scheduler.waiting) == 0 and scheduler.running == []
-    kv = scheduler.kv_cache_manager
-    assert kv.req_to_blocks == {}
-    assert kv.get_num_free_blocks() == kv.num_blocks
-    assert all(b.ref_cnt == 0 for b in kv.block_pool.blocks)
+    assert_kv_released(scheduler.kv_cache_manager)

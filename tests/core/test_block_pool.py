@@ -1,4 +1,4 @@
-from tokenweir.core.block_pool import BlockPool, FreeBlockQueue, KVBlock
+from tokenweir.core.block_pool import FreeBlockQueue, KVBlock
 
 
 def ids(blocks):
@@ -16,8 +16,8 @@ def test_free_queue_removes_from_the_middle_and_keeps_order():
     assert ids(queue) == [1, 3, 4, 2]
 
 
-def test_new_blocks_come_from_the_head_and_evict_hashes_lazily():
-    pool = BlockPool(4)
+def test_new_blocks_come_from_the_head_and_evict_hashes_lazily(make_pool):
+    pool = make_pool(4)
     a, b = pool.get_new_blocks(2)
     pool.cache_full_block(a, 111)
     pool.cache_full_block(b, 222)
@@ -32,8 +32,8 @@ def test_new_blocks_come_from_the_head_and_evict_hashes_lazily():
     pool.free_blocks(taken)
 
 
-def test_touch_takes_a_free_cached_block_out_of_the_queue():
-    pool = BlockPool(3)
+def test_touch_takes_a_free_cached_block_out_of_the_queue(make_pool):
+    pool = make_pool(3)
     (a,) = pool.get_new_blocks(1)
     pool.cache_full_block(a, 7)
     pool.free_blocks([a])
@@ -48,8 +48,8 @@ def test_touch_takes_a_free_cached_block_out_of_the_queue():
     assert pool.get_num_free_blocks() == 3
 
 
-def test_duplicate_content_keeps_the_first_cached_copy():
-    pool = BlockPool(2)
+def test_duplicate_content_keeps_the_first_cached_copy(make_pool):
+    pool = make_pool(2)
     a, b = pool.get_new_blocks(2)
     pool.cache_full_block(a, 5)
     pool.cache_full_block(b, 5)
@@ -57,8 +57,8 @@ def test_duplicate_content_keeps_the_first_cached_copy():
     pool.free_blocks([a, b])
 
 
-def test_reset_prefix_cache_forgets_all_hashes():
-    pool = BlockPool(2)
+def test_reset_prefix_cache_forgets_all_hashes(make_pool):
+    pool = make_pool(2)
     a, b = pool.get_new_blocks(2)
     pool.cache_full_block(a, 1)
     pool.cache_full_block(b, 2)

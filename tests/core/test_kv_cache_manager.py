@@ -1,4 +1,3 @@
-from tokenweir.core.kv_cache_manager import KVCacheManager
 from tests.core.helpers import make_request
 
 
@@ -17,8 +16,8 @@ def admit(kv, request, num_new=None):
     return hits, num_hit
 
 
-def test_prefix_hit_shares_blocks_and_counts_refs():
-    kv = KVCacheManager(num_blocks=10, block_size=4)
+def test_prefix_hit_shares_blocks_and_counts_refs(make_kv):
+    kv = make_kv(num_blocks=10, block_size=4)
     shared = list(range(100, 108))  # two full blocks
     a = make_request("a", shared + [1, 2, 3])
     b = make_request("b", shared + [7, 8, 9, 10, 11])
@@ -33,8 +32,8 @@ def test_prefix_hit_shares_blocks_and_counts_refs():
     assert kv.get_num_free_blocks() == 10
 
 
-def test_hit_is_capped_so_the_last_token_is_computed():
-    kv = KVCacheManager(num_blocks=10, block_size=4)
+def test_hit_is_capped_so_the_last_token_is_computed(make_kv):
+    kv = make_kv(num_blocks=10, block_size=4)
     a = make_request("a", list(range(8)))
     admit(kv, a)
     b = make_request("b", list(range(8)))  # identical, exactly two blocks
@@ -43,8 +42,8 @@ def test_hit_is_capped_so_the_last_token_is_computed():
     kv.free(a)
 
 
-def test_cache_salt_separates_identical_prompts():
-    kv = KVCacheManager(num_blocks=10, block_size=4)
+def test_cache_salt_separates_identical_prompts(make_kv):
+    kv = make_kv(num_blocks=10, block_size=4)
     a = make_request("a", list(range(9)))
     admit(kv, a)
     b = make_request("b", list(range(9)))
@@ -53,8 +52,8 @@ def test_cache_salt_separates_identical_prompts():
     kv.free(a)
 
 
-def test_allocation_is_all_or_nothing_and_counts_free_hits_against_capacity():
-    kv = KVCacheManager(num_blocks=4, block_size=4)
+def test_allocation_is_all_or_nothing_and_counts_free_hits_against_capacity(make_kv):
+    kv = make_kv(num_blocks=4, block_size=4)
     a = make_request("a", list(range(8)))
     admit(kv, a)
     kv.free(a)  # both blocks free but still cached
@@ -72,8 +71,8 @@ def test_allocation_is_all_or_nothing_and_counts_free_hits_against_capacity():
     kv.free(b)
 
 
-def test_watermark_applies_only_when_asked():
-    kv = KVCacheManager(num_blocks=10, block_size=4, watermark_blocks=2)
+def test_watermark_applies_only_when_asked(make_kv):
+    kv = make_kv(num_blocks=10, block_size=4, watermark_blocks=2)
     a = make_request("a", 32)  # 8 blocks, leaves exactly 2 free
     assert kv.allocate_slots(a, 32, apply_watermark=True) is not None
     b = make_request("b", 4)
@@ -83,8 +82,8 @@ def test_watermark_applies_only_when_asked():
     kv.free(b)
 
 
-def test_eviction_is_lru_and_frees_tail_first():
-    kv = KVCacheManager(num_blocks=6, block_size=2)
+def test_eviction_is_lru_and_frees_tail_first(make_kv):
+    kv = make_kv(num_blocks=6, block_size=2)
     a = make_request("a", [1, 2, 3, 4, 5, 6, 7])  # blocks: [1,2] [3,4] [5,6] [7]
     admit(kv, a)
     a_blocks = kv.get_block_ids("a")
@@ -102,8 +101,8 @@ def test_eviction_is_lru_and_frees_tail_first():
     kv.free(c)
 
 
-def test_generated_tokens_fill_and_publish_blocks():
-    kv = KVCacheManager(num_blocks=8, block_size=4)
+def test_generated_tokens_fill_and_publish_blocks(make_kv):
+    kv = make_kv(num_blocks=8, block_size=4)
     a = make_request("a", [1, 2, 3])
     admit(kv, a)
     a.append_output_token(4, now=0.0)  # 4 tokens: the decode step will fill block 0
@@ -116,8 +115,8 @@ def test_generated_tokens_fill_and_publish_blocks():
     kv.free(a)
 
 
-def test_reset_prefix_cache_counts_and_forgets():
-    kv = KVCacheManager(num_blocks=8, block_size=4)
+def test_reset_prefix_cache_counts_and_forgets(make_kv):
+    kv = make_kv(num_blocks=8, block_size=4)
     a = make_request("a", list(range(9)))
     admit(kv, a)
     kv.reset_prefix_cache()
@@ -127,8 +126,8 @@ def test_reset_prefix_cache_counts_and_forgets():
     assert kv.get_computed_blocks(make_request("c", list(range(9))))[1] == 0
 
 
-def test_preempted_relookups_are_counted_apart():
-    kv = KVCacheManager(num_blocks=8, block_size=4)
+def test_preempted_relookups_are_counted_apart(make_kv):
+    kv = make_kv(num_blocks=8, block_size=4)
     a = make_request("a", list(range(9)))
     admit(kv, a)
     kv.free(a)

@@ -212,6 +212,12 @@ def test_watermark_holds_back_admission_but_not_running_growth(make_scheduler):
     out = step(s, runner)
     assert list(out.num_scheduled_tokens) == ["a", "b"]
     assert s.kv_cache_manager.get_num_free_blocks() == 2
+    # Both running requests decode into the two reserved blocks while c keeps waiting.
+    out = s.schedule()
+    kv = s.kv_cache_manager
+    assert len(kv.get_block_ids("a")) == 7 and len(kv.get_block_ids("b")) == 3
+    assert kv.get_num_free_blocks() == 0 and [r.request_id for r in s.waiting] == ["c"]
+    s.update_from_output(out, runner.execute(out))
     run_until_done(s, runner)
 
 
@@ -379,7 +385,7 @@ def test_equal_priority_requests_do_not_preempt_each_other_forever(make_schedule
     prefilled in threshold-sized pieces. With ties between them left to list order, each in turn
     was the victim and neither ever finished; ties now fall to the request id."""
     s = make_scheduler(max_num_batched_tokens=24, max_num_seqs=2, block_size=1, num_blocks=21,
-                       policy="priority", enable_chunked_prefill=False, long_prefill_token_threshold=3,
+                       policy="priority", long_prefill_token_threshold=3,
                        enable_prefix_caching=False, max_model_len=24)
     runner = PagedFakeRunner(s.block_size)
     r0, r1 = (make_request(rid, list(range(10, 30)) + [100], max_tokens=1, ignore_eos=True) for rid in ("r0", "r1"))

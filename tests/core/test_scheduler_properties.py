@@ -23,7 +23,7 @@ def workloads(draw):
         num_blocks=num_blocks,
         policy=draw(st.sampled_from(["fcfs", "priority"])),
         enable_chunked_prefill=chunked,
-        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 7])),
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3, 7])) if chunked else 0,
         enable_prefix_caching=draw(st.booleans()),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
         max_model_len=None if chunked else budget,

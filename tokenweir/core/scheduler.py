@@ -190,26 +190,32 @@ class Scheduler:
 
         # 2. Waiting requests, in policy order, while budget, sequence slots and blocks last.
         while self.waiting and step.budget > 0:
-            request = self.waiting.peek()
-            if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(request, step):
-                break
-            hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = request.num_tokens - num_hit
-            if not self.config.enable_chunked_prefill and num_new > step.budget:
-                break  # the whole prompt must go in one step: keep strict order, wait for room
-            num_new = self._cap_tokens(num_new, step.budget)
-            # Off the queue while allocating: a preempted victim may be pushed to its front.
-            self.waiting.pop()
-            blocks = self._allocate_or_preempt(request, num_new, step, admitting=True,
-                                               hits=hits, num_hit=num_hit)
-            if blocks is None:
+            # Off the queue while deciding: a victim preempted to make room for it goes back to
+            # the queue's front, and must not be mistaken for it.
+            request = self.waiting.pop()
+            if not self._try_admit(request, step, now):
                 self.waiting.push_front(request)
                 break
-            self.kv_cache_manager.record_prefix_lookup(request, num_hit)
-            self._admit(request, num_hit, now, step)
-            self._schedule_tokens(request, num_new, blocks, step)
 
         return self._make_output(step)
+
+    def _try_admit(self, request: Request, step: _StepState, now: float) -> bool:
+        """Admit a waiting request and schedule its first chunk, or change nothing for it."""
+        if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(request, step):
+            return False
+        hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+        num_new = request.num_tokens - num_hit
+        if not self.config.enable_chunked_prefill and num_new > step.budget:
+            return False  # the whole prompt must go in one step: keep strict order, wait for room
+        num_new = self._cap_tokens(num_new, step.budget)
+        blocks = self._allocate_or_preempt(request, num_new, step, admitting=True,
+                                           hits=hits, num_hit=num_hit)
+        if blocks is None:
+            return False
+        self.kv_cache_manager.record_prefix_lookup(request, num_hit)
+        self._admit(request, num_hit, now, step)
+        self._schedule_tokens(request, num_new, blocks, step)
+        return True
 
     def _cap_tokens(self, num_tokens: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -260,9 +266,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push_front(victim)
         step.preempted.add(victim.request_id)
+        # Its block ids and admission need no undoing: the output is built from `running`.
         step.budget += step.num_scheduled.pop(victim.request_id, 0)
-        step.new_block_ids.pop(victim.request_id, None)
-        step.admitted.discard(victim.request_id)
 
     def _admit(self, request: Request, num_hit: int, now: float, step: _StepState) -> None:
         request.status = RequestStatus.RUNNING
