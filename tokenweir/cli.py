@@ -114,7 +114,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Any:
     ns = parser.parse_args(argv)
     try:
         return ns.func(ns)
-    except ValueError as exc:  # a bad setting or input: say what, without a traceback
+    except (ValueError, FileNotFoundError) as exc:  # a bad setting, input or path: say what, no traceback
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 

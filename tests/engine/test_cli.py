@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from tokenweir.cli import build_parser, engine_args_from
 
 
@@ -29,9 +31,14 @@ def test_generate_prints_a_completion_from_the_default_model():
     assert "Paris" in result.stdout
 
 
-def test_a_bad_setting_is_a_one_line_error_not_a_traceback():
-    result = subprocess.run([sys.executable, "-m", "tokenweir.cli", "generate", "hi", "--block-size", "15"],
+@pytest.mark.parametrize("flags, message", [
+    (["--block-size", "15"], "error: block_size must be a positive even number of tokens, got 15"),
+    (["--model", "/no/such/model"], "/no/such/model"),
+])
+def test_a_bad_setting_is_a_one_line_error_not_a_traceback(flags, message):
+    result = subprocess.run([sys.executable, "-m", "tokenweir.cli", "generate", "hi", *flags],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 2
-    assert result.stderr.strip().endswith("error: block_size must be a positive even number of tokens, got 15")
     assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tokenweir: error: ") and message in last

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
+
 import pytest
 
 from tokenweir import SamplingParams
@@ -163,3 +167,67 @@ def test_an_output_processing_error_fails_that_request_only(make_llm, tiny_model
     monkeypatch.setattr(engine.output_processor, "process_tokens", always_failing)
     with pytest.raises(RuntimeError, match="processing the output of request .* failed"):
         llm.generate(["one", "two"], SamplingParams(max_tokens=3), use_tqdm=False)
+
+
+def test_generation_config_eos_ids_stop_like_eos(make_llm, tiny_model_dir, tmp_path):
+    """Llama 3 Instruct style: generation_config.json lists EOS ids beyond config.json's one."""
+    free_llm = make_llm(tiny_model_dir("llama"), **KV)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    free = free_llm.generate("one two", greedy, use_tqdm=False)[0].outputs[0]
+    second_eos = free.token_ids[3]
+    assert second_eos != 2
+    folder = tmp_path / "two-eos"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, second_eos]}))
+    llm = make_llm(str(folder), **KV)
+    out = llm.generate("one two", SamplingParams(max_tokens=10, temperature=0), use_tqdm=False)[0].outputs[0]
+    first = free.token_ids.index(second_eos)
+    assert out.token_ids == free.token_ids[:first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == second_eos
+    # ignore_eos covers every EOS id; min_tokens holds them all back.
+    assert llm.generate("one two", greedy, use_tqdm=False)[0].outputs[0].token_ids == free.token_ids
+    held = llm.generate("one two", SamplingParams(max_tokens=10, temperature=0, min_tokens=first + 2),
+                        use_tqdm=False)[0].outputs[0]
+    assert second_eos not in held.token_ids[:first + 2]
+
+
+def test_seeded_sampling_survives_preemption(make_llm, tiny_model_dir):
+    seeded = SamplingParams(max_tokens=40, temperature=1.0, seed=7, ignore_eos=True)
+    alone = make_llm(tiny_model_dir("llama"), **KV).generate(
+        "the capital of france is", seeded, use_tqdm=False)[0].outputs[0]
+    # 10 blocks of 8 tokens: four requests of ~45 tokens cannot all stay; the seeded one is
+    # admitted last, so FCFS preempts it first.
+    llm = make_llm(tiny_model_dir("llama"), num_gpu_blocks_override=10, block_size=8, max_model_len=80)
+    outs = llm.generate(["one two three", "hello world", "you and him", "the capital of france is"],
+                        [SamplingParams(max_tokens=40, temperature=1.0, ignore_eos=True)] * 3 + [seeded],
+                        use_tqdm=False)
+    assert outs[3].metrics.num_preemptions >= 1
+    assert outs[3].outputs[0].token_ids == alone.token_ids
+
+
+def test_stop_strings_wait_for_min_tokens(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
+    free = llm.generate("hello world", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    stop = free.text.split()[1]
+    early = llm.generate("hello world", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=stop),
+                         use_tqdm=False)[0].outputs[0]
+    assert early.finish_reason == "stop"
+    late = llm.generate("hello world", SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=stop,
+                                                      min_tokens=len(early.token_ids) + 1),
+                        use_tqdm=False)[0].outputs[0]
+    assert late.text.startswith(early.text + stop)  # the first occurrence came too early to stop
+
+
+def test_progress_bar_counts_requests(make_llm, tiny_model_dir, capsys):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
+    llm.generate(["one", "two", "three"], SamplingParams(max_tokens=2))
+    err = capsys.readouterr().err
+    assert "3/3" in err and "Processed prompts" in err
+
+
+def test_engine_logs_kv_blocks_and_max_concurrency(make_llm, tiny_model_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="tokenweir"):
+        make_llm(tiny_model_dir("llama"), num_gpu_blocks_override=96, block_size=16, max_model_len=256)
+    assert ("KV cache: 96 blocks of 16 tokens = 1536 tokens; maximum concurrency for 256 tokens "
+            "per request: 6.00x") in caplog.text

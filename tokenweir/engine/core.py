@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Optional, Union
@@ -93,6 +94,7 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
+        params = self._with_extra_eos(params)
         request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
                           priority=priority, eos_token_id=self.loaded.arch.eos_token_id, tenant=tenant,
@@ -103,6 +105,16 @@ class EngineCore:
         self.states[request_id] = self.output_processor.new_state(
             request, prompt if isinstance(prompt, str) else prompt_text)
         return request
+
+    def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
+        """Models such as Llama 3 Instruct end a turn with more than one token: the ids that
+        generation_config adds to the primary EOS stop a request as stop token ids (vLLM does
+        the same), unless it ignores EOS."""
+        extra = [t for t in self.loaded.arch.eos_token_ids
+                 if t != self.loaded.arch.eos_token_id and t not in params.stop_token_ids]
+        if not extra or params.ignore_eos:
+            return params
+        return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort and return the final (aborted) outputs of those that were still unfinished."""

@@ -107,7 +107,8 @@ class OutputProcessor:
             return False
         start = max(0, len(state.text) - max((len(s) for s in params.stop), default=0) + 1)
         state.text += new_text
-        if params.stop:
+        # As vLLM does, stop strings only count past min_tokens, like EOS and stop ids.
+        if params.stop and request.num_output_tokens > params.min_tokens:
             for stop in params.stop:
                 idx = state.text.find(stop, start)
                 if idx != -1:

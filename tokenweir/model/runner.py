@@ -57,6 +57,10 @@ class ModelRunner:
             # A private generator per request: the same seed gives the same text whatever else
             # shares the batch.
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
+            # Resumed after a preemption: skip the draws its earlier tokens used (one each, see
+            # sampler._draw), so a seed gives the same text however often the request is preempted.
+            for _ in range(len(new.token_ids) - new.num_prompt_tokens):
+                torch.rand(1, generator=generator, device=self.device)
         banned = list(params.stop_token_ids)
         if not params.ignore_eos:
             banned += list(self.arch.eos_token_ids)
