@@ -11,6 +11,7 @@ from tokenweir.engine.core import EngineCore
 from tokenweir.engine.llm import LLM
 from tokenweir.model.loader import load_model
 from tests.core.helpers import assert_no_leaks
+from tests.engine.helpers import num_continued_prefill_chunks, record_schedules
 from tests.hf_reference import hf_greedy
 
 NUM_NEW = 12
@@ -28,11 +29,18 @@ PROMPTS = [
     SYSTEM + "Where is Mount Kilimanjaro?",
     SYSTEM + "Who wrote the Origin of Species?",
     SYSTEM + "What is the boiling point of water at sea level in Celsius?",
+    # Long enough (~150 tokens) to span many blocks and chunks.
+    "Summarise this passage in one sentence. The river rises in the mountains, where snow melts each "
+    "spring and feeds a hundred small streams. They join in a narrow valley, turn a mill that has stood "
+    "there for three centuries, and widen into a slow brown current that carries barges of grain, coal "
+    "and timber past towns whose names recall the Roman forts that once guarded the crossings. Near the "
+    "coast the river splits into a delta of marshes and islands, home to herons, eels and the fishermen "
+    "who still mend their nets on the quays every evening, as their grandparents did before them.",
 ]
 SCENARIOS = {
     "batched": dict(num_gpu_blocks_override=512),
     "chunked": dict(num_gpu_blocks_override=512, max_num_batched_tokens=24),
-    "preempted": dict(num_gpu_blocks_override=16, block_size=8, max_num_batched_tokens=128),
+    "preempted": dict(num_gpu_blocks_override=24, block_size=8, max_num_batched_tokens=128),
     "prefix_hits": dict(num_gpu_blocks_override=512, max_num_seqs=2),
 }
 
@@ -57,6 +65,7 @@ def hf_reference(default_model, prompt_ids):
 def test_default_model_greedy_matches_transformers(default_model, prompt_ids, hf_reference, scenario):
     engine = EngineCore(EngineArgs(dtype="float32", device="cpu", **SCENARIOS[scenario]), loaded=default_model)
     llm = LLM.from_engine(engine)
+    schedules = record_schedules(engine)
     params = SamplingParams(max_tokens=NUM_NEW, min_tokens=NUM_NEW, temperature=0)
     outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
     for i, (out, expected) in enumerate(zip(outs, hf_reference)):
@@ -66,6 +75,8 @@ def test_default_model_greedy_matches_transformers(default_model, prompt_ids, hf
         assert stats.num_preemptions > 0
     if scenario == "prefix_hits":
         assert stats.prefix_cache.hits > 0
+    if scenario == "chunked":
+        assert num_continued_prefill_chunks(schedules) > 0
     assert_no_leaks(engine.scheduler)
 
 

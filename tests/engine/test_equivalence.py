@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tokenweir import SamplingParams
+from tests.engine.helpers import num_continued_prefill_chunks, record_schedules
 from tests.hf_reference import hf_greedy
 
 NUM_NEW = 10
@@ -36,6 +37,7 @@ SCENARIOS = {
 
 def check_scenario(make_llm, folder, prompts, expected, scenario):
     llm = make_llm(folder, **SCENARIOS[scenario])
+    schedules = record_schedules(llm.engine)
     params = SamplingParams(max_tokens=NUM_NEW, min_tokens=NUM_NEW, temperature=0.0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     got = [o.outputs[0].token_ids for o in outs]
@@ -48,6 +50,7 @@ def check_scenario(make_llm, folder, prompts, expected, scenario):
         assert stats.prefix_cache.hits > 0
     if scenario == "chunked":
         assert all(o.metrics.num_preemptions == 0 for o in outs)
+        assert num_continued_prefill_chunks(schedules) > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
