@@ -122,6 +122,9 @@ def test_fcfs_preempts_the_last_running_and_resumes_without_loss(make_scheduler)
     for r in (a, b):
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, 10)
     assert s.get_stats().num_preemptions == b.num_preemptions
+    # Re-admitted, b found its own blocks in the prefix cache, but num_cached_tokens reports
+    # what its first admission found.
+    assert s.kv_cache_manager.prefix_cache_stats.preempted_hits > 0 and b.num_cached_tokens == 0
 
 
 def test_preempted_request_goes_to_the_front_of_waiting(make_scheduler):
