@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from tokenweir.model import loader
 from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches
 from tokenweir.model.loader import (
     arch_from_hf_config,
@@ -35,6 +36,11 @@ def test_gguf_cached_once(default_fp32):
     assert ensure_hf_folder(default_model_path()) == folder
     assert os.stat(weights).st_mtime_ns == before
     assert {"config.json", "tokenizer.json"} <= set(os.listdir(folder))
+
+
+def test_default_model_cache_key_unchanged():
+    # Folders converted before the key had a revision are still found (moved, not rebuilt).
+    assert loader._cache_folder(default_model_path(), 0).name == "SmolLM2-135M-Instruct.Q4_1-747cb1f01955"
 
 
 def test_default_model_matches_transformers(default_fp32):
@@ -94,21 +100,102 @@ def test_folder_without_config(tmp_path):
         load_model(str(tmp_path))
 
 
-def test_unsupported_architecture(tmp_path, tiny_model_dir):
+def _copy(tmp_path, tiny_model_dir, arch: str = "llama"):
     folder = tmp_path / "m"
-    shutil.copytree(tiny_model_dir("llama"), folder)
+    shutil.copytree(tiny_model_dir(arch), folder)
+    return folder
+
+
+def _rewrite_config(folder, drop: tuple[str, ...] = (), **updates) -> None:
     cfg = json.loads((folder / "config.json").read_text())
-    cfg["architectures"] = ["GPT2LMHeadModel"]
-    (folder / "config.json").write_text(json.dumps(cfg))
+    for key in drop:
+        del cfg[key]
+    (folder / "config.json").write_text(json.dumps({**cfg, **updates}))
+
+
+def _rewrite_weights(folder, drop: tuple[str, ...] = (), add: dict[str, torch.Tensor] | None = None) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = str(folder / "model.safetensors")
+    weights = load_file(path)
+    for name in drop:
+        del weights[name]
+    save_file({**weights, **(add or {})}, path)
+
+
+def test_unsupported_architecture(tmp_path, tiny_model_dir):
+    folder = _copy(tmp_path, tiny_model_dir)
+    _rewrite_config(folder, architectures=["GPT2LMHeadModel"])
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM"):
         load_model(str(folder))
 
 
 def test_no_safetensors(tmp_path, tiny_model_dir):
-    folder = tmp_path / "m"
-    shutil.copytree(tiny_model_dir("llama"), folder)
+    folder = _copy(tmp_path, tiny_model_dir)
     (folder / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(str(folder))
+
+
+def test_config_not_json(tmp_path, tiny_model_dir):
+    folder = _copy(tmp_path, tiny_model_dir)
+    (folder / "config.json").write_text('{"hidden_size": 64,\n "vocab_size": }')
+    with pytest.raises(ValueError, match=r"m/config.json: invalid JSON: Expecting value at line 2, column 16"):
+        load_model(str(folder))
+    (folder / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="m/config.json: expected a JSON object, found list"):
+        load_model(str(folder))
+
+
+def test_config_missing_or_bad_keys(tmp_path, tiny_model_dir):
+    folder = _copy(tmp_path, tiny_model_dir)
+    _rewrite_config(folder, drop=("hidden_size", "num_hidden_layers"))
+    with pytest.raises(ValueError, match=r"m/config.json: missing required key\(s\): hidden_size, num_hidden_layers$"):
+        load_model(str(folder))
+    _rewrite_config(folder, hidden_size="64", num_hidden_layers=0)
+    with pytest.raises(ValueError, match="expected positive integers: hidden_size='64', num_hidden_layers=0$"):
+        load_model(str(folder))
+
+
+@pytest.mark.parametrize(
+    "name, shape",
+    [("model.layers.1.mlp.up_proj.weight", (127, 64)), ("model.norm.weight", (1,))],  # torch would broadcast [1]
+)
+def test_weight_with_wrong_shape(tmp_path, tiny_model_dir, name, shape):
+    folder = _copy(tmp_path, tiny_model_dir)
+    _rewrite_weights(folder, add={name: torch.zeros(shape)})
+    expected = [128, 64] if "up_proj" in name else [64]
+    with pytest.raises(ValueError) as err:
+        load_model(str(folder))
+    assert str(err.value) == (
+        f"{folder}/model.safetensors: weight {name!r} has shape {list(shape)}; config.json implies {expected}"
+    )
+
+
+def test_missing_and_unexpected_weights(tmp_path, tiny_model_dir):
+    folder = _copy(tmp_path, tiny_model_dir)
+    # harmless extras: an old checkpoint's RoPE table, and lm_head in a tied one
+    harmless = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8), "lm_head.weight": torch.ones(256, 64)}
+    _rewrite_weights(folder, add=harmless)
+    assert load_model(str(folder), dtype="float32", device="cpu").arch.tie_word_embeddings
+
+    extra, missing = "model.layers.3.mlp.up_proj.weight", "model.layers.2.self_attn.k_proj.weight"
+    _rewrite_weights(folder, add={extra: torch.zeros(128, 64)})
+    with pytest.raises(ValueError, match=f"m: weights that config.json does not describe: '{extra}'$"):
+        load_model(str(folder))
+    _rewrite_weights(folder, drop=(extra, missing))
+    with pytest.raises(ValueError, match=f"m: weights required by config.json are missing: '{missing}'$"):
+        load_model(str(folder))
+
+
+def test_folder_without_tokenizer(tmp_path, tiny_model_dir):
+    folder = _copy(tmp_path, tiny_model_dir)
+    (folder / "tokenizer.json").unlink()
+    expected = r"m: no tokenizer files \(expected one of tokenizer.json, tokenizer.model, vocab.json\)$"
+    with pytest.raises(FileNotFoundError, match=expected):
+        load_model(str(folder))
+    (folder / "tokenizer.json").write_text('{"model": 3}')
+    with pytest.raises(ValueError, match="m: the tokenizer files could not be loaded: KeyError: 'added_tokens'$"):
         load_model(str(folder))
 
 

@@ -2,11 +2,12 @@
 
 Reusable by any test that needs a real model folder: `make_tiny_model(folder, "llama")` writes
 config.json, model.safetensors and tokenizer files that `tokenweir.model.load_model` and
-transformers both load.
+transformers both load; `write_tiny_gguf` writes such a model as llama.cpp would convert it.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -106,3 +107,115 @@ def make_tiny_model(folder: str, arch: str = "llama", seed: int = 0, **overrides
     model.save_pretrained(folder)
     make_tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+# llama.cpp's tensor names for the HF weights of a Llama layer (blk.N.*) and of the whole model.
+_GGUF_LAYER = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_GGUF_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+
+
+def llama3_rope_freqs(scaling: dict[str, Any], theta: float, head_dim: int) -> list[float]:
+    """llama.cpp's `rope_freqs` for Llama 3 scaling: per rotary pair i, the divisor of
+    theta^(-2i/d). Pairs with short wavelengths keep their speed, long ones are slowed down by
+    `factor`, and in between the speed (1 / divisor) is interpolated linearly in frequency."""
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    context = scaling["original_max_position_embeddings"]
+    divisors = []
+    for i in range(head_dim // 2):
+        wavelength = 2 * math.pi * theta ** (2 * i / head_dim)
+        if wavelength < context / high:
+            divisors.append(1.0)
+        elif wavelength > context / low:
+            divisors.append(factor)
+        else:
+            smooth = (context / wavelength - low) / (high - low)
+            divisors.append(1.0 / ((1 - smooth) / factor + smooth))
+    return divisors
+
+
+def _gguf_vocab() -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges) of a byte-level BPE vocabulary of VOCAB_SIZE tokens: the
+    special tokens at their usual ids, single bytes, and one merge (GGUF arrays cannot be empty).
+    A GGUF cannot describe the word-level tokenizer of the HF folders."""
+    import gguf
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_chars = bytes_to_unicode()  # byte -> the character byte-level BPE spells it with
+    merges = [f"{byte_chars[ord(' ')]} t"]
+    singles = [byte_chars[b] for b in range(VOCAB_SIZE - len(SPECIAL_TOKENS) - len(merges))]
+    tokens = SPECIAL_TOKENS + singles + [m.replace(" ", "") for m in merges]
+    types = [gguf.TokenType.CONTROL if t in SPECIAL_TOKENS else gguf.TokenType.NORMAL for t in tokens]
+    return tokens, types, merges
+
+
+def _interleave_rotary_rows(w: Any, n_head: int) -> Any:
+    # HF rotates the two halves of each head; llama.cpp adjacent pairs: rows (head, half, pair)
+    # -> (head, pair, half).
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _gguf_name(hf_name: str) -> str:
+    stem, _, kind = hf_name.rpartition(".")
+    if stem in _GGUF_GLOBAL:
+        return f"{_GGUF_GLOBAL[stem]}.{kind}"
+    _, _, index, layer_part = stem.split(".", 3)  # model.layers.N.<part>
+    return f"blk.{index}.{_GGUF_LAYER[layer_part]}.{kind}"
+
+
+def write_tiny_gguf(folder: str, path: str) -> str:
+    """Write the tiny Llama in `folder` as llama.cpp's converter would (fp32, arch "llama"):
+    q/k rows interleaved, linear RoPE scaling as metadata, Llama 3 scaling as a `rope_freqs`
+    tensor; with the byte-level vocabulary of `_gguf_vocab`. Returns `path`."""
+    import gguf
+    import numpy as np
+    from safetensors.numpy import load_file
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(folder)
+    rope = cfg.rope_parameters
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    writer.add_rope_freq_base(rope["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    tokens, types, merges = _gguf_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    if rope["rope_type"] == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope["factor"])
+    elif rope["rope_type"] == "llama3":
+        freqs = llama3_rope_freqs(rope, rope["rope_theta"], cfg.head_dim)
+        writer.add_tensor("rope_freqs.weight", np.array(freqs, dtype=np.float32))
+    heads = {"attn_q": cfg.num_attention_heads, "attn_k": cfg.num_key_value_heads}
+    for hf_name, w in load_file(f"{folder}/model.safetensors").items():
+        name = _gguf_name(hf_name)
+        role = name.split(".")[-2]
+        writer.add_tensor(name, _interleave_rotary_rows(w, heads[role]) if role in heads else w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -46,6 +46,8 @@ class ModelArchConfig:
     bos_token_id: int | None
     # Mistral-style sliding window; None when attention is global.
     sliding_window: int | None = None
+    # Per rotary pair, a divisor of its frequency (a GGUF's `rope_freqs`, see rope_inv_freq).
+    rope_freq_factors: tuple[float, ...] | None = None
 
     @property
     def eos_token_id(self) -> int | None:
@@ -61,9 +63,13 @@ class ModelArchConfig:
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2] in float32, with linear or Llama-3 scaling."""
+    """Inverse frequencies [head_dim / 2] in float32, with per-pair factors, linear or Llama-3 scaling."""
     dim = arch.head_dim
     inv_freq = 1.0 / (arch.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if arch.rope_freq_factors is not None:
+        # llama.cpp's form of Llama 3 scaling: pair i turns at theta^(-2i/d) / factor_i, before
+        # any linear scaling (which commutes with it).
+        inv_freq = inv_freq / torch.tensor(arch.rope_freq_factors, dtype=torch.float32)
     scaling = arch.rope_scaling
     if scaling is None:
         return inv_freq

@@ -3,7 +3,8 @@
 A GGUF file is converted once into a cached HF folder (fp32 safetensors, config.json,
 tokenizer files): converting through transformers on every start would take ~35 s, reading
 the cached folder takes a few. The same folder is what tests hand to transformers as the
-correctness oracle, so both sides see identical weights.
+correctness oracle, so both sides see identical weights -- except for a GGUF carrying
+`rope_freqs` (Llama 3.x), whose RoPE factors go under a config key that only tokenweir reads.
 """
 
 from __future__ import annotations
@@ -26,6 +27,14 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 # GGUF `general.architecture` values we convert (Mistral GGUFs say "llama").
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# config.json keys with no sensible default: without one the config describes no model.
+_REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Per rotary pair, the divisor of its RoPE frequency: how llama.cpp stores Llama 3 scaling (the
+# `rope_freqs` tensor). Not an HF key: the (factor, low/high_freq_factor, original context) that
+# produced the divisors cannot be recovered exactly from them, so they are kept as they are.
+ROPE_FREQ_FACTORS_KEY = "tokenweir_rope_freq_factors"
+# Any of these gives AutoTokenizer a vocabulary (tokenizer_config.json alone does not).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -121,6 +130,30 @@ def _rope_settings(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, A
     return float(theta), {"rope_type": rope_type, **{k: scaling[k] for k in needed}}
 
 
+def _check_required_keys(cfg: dict[str, Any], source: str) -> None:
+    missing = [k for k in _REQUIRED_CONFIG_KEYS if cfg.get(k) is None]
+    if missing:
+        raise ValueError(f"{source}: missing required key(s): {', '.join(missing)}")
+    # bool is an int subclass, but `true` is no size
+    bad = [f"{k}={cfg[k]!r}" for k in _REQUIRED_CONFIG_KEYS if type(cfg[k]) is not int or cfg[k] <= 0]
+    if bad:
+        raise ValueError(f"{source}: expected positive integers: {', '.join(bad)}")
+
+
+def _rope_freq_factors(cfg: dict[str, Any], head_dim: int, source: str) -> tuple[float, ...] | None:
+    factors = cfg.get(ROPE_FREQ_FACTORS_KEY)
+    if factors is None:
+        return None
+    pairs = head_dim // 2
+    if not (
+        isinstance(factors, list)
+        and len(factors) == pairs
+        and all(isinstance(f, (int, float)) and f > 0 for f in factors)
+    ):
+        raise ValueError(f"{source}: {ROPE_FREQ_FACTORS_KEY} must list {pairs} positive numbers (one per rotary pair)")
+    return tuple(float(f) for f in factors)
+
+
 def _as_ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -138,9 +171,11 @@ def arch_from_hf_config(
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     architecture = supported[0]
+    _check_required_keys(cfg, source)
     theta, scaling = _rope_settings(cfg, source)
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
+    heads = cfg["num_attention_heads"]
+    hidden = cfg["hidden_size"]
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
     if cfg.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=true is not supported")
     is_qwen2 = architecture == "Qwen2ForCausalLM"
@@ -155,13 +190,13 @@ def arch_from_hf_config(
             eos.append(tok)
     return ModelArchConfig(
         architecture=architecture,
-        vocab_size=int(cfg["vocab_size"]),
+        vocab_size=cfg["vocab_size"],
         hidden_size=hidden,
-        intermediate_size=int(cfg["intermediate_size"]),
-        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        intermediate_size=cfg["intermediate_size"],
+        num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=heads,
         num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -172,6 +207,7 @@ def arch_from_hf_config(
         eos_token_ids=tuple(eos),
         bos_token_id=cfg.get("bos_token_id"),
         sliding_window=int(window) if window else None,
+        rope_freq_factors=_rope_freq_factors(cfg, head_dim, source),
     )
 
 
@@ -184,16 +220,23 @@ def _cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "tokenweir"
 
 
-def _content_key(path: str) -> str:
+# Part of the cache key: bump it when conversion writes something new, so that no folder written
+# before is used in its place. Revision 1 carries RoPE scaling over; for a file without any it
+# writes what revision 0 wrote, so that folder is moved rather than rebuilt.
+_CONVERSION_REVISION = 1
+
+
+def _cache_folder(gguf_path: str, revision: int) -> Path:
     # Size plus the first and last MiB (header, metadata, tokenizer, first and last tensors):
-    # cheap, and unlike mtime it survives a reinstall of the same file.
-    size = os.path.getsize(path)
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
+    # cheap, and unlike mtime it survives a reinstall of the same file. Revision 0 hashed no
+    # revision: its folder names stay what they were.
+    size = os.path.getsize(gguf_path)
+    h = hashlib.sha256(str(size).encode() + (f":r{revision}".encode() if revision else b""))
+    with open(gguf_path, "rb") as f:
         h.update(f.read(1 << 20))
         f.seek(max(0, size - (1 << 20)))
         h.update(f.read())
-    return h.hexdigest()[:12]
+    return _cache_root() / f"{Path(gguf_path).stem}-{h.hexdigest()[:12]}"
 
 
 def _unpermute_rope(w: Any, n_head: int) -> Any:
@@ -216,13 +259,50 @@ _GGUF_LAYER_NAMES = {
 _GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
+@dataclass(frozen=True)
+class _GgufRope:
+    """The RoPE scaling a GGUF carries, which transformers' GGUF reader drops for these architectures."""
+
+    linear_factor: float | None  # `{arch}.rope.scaling.type` "linear" with its factor
+    freq_factors: list[float] | None  # the `rope_freqs` tensor: llama.cpp's Llama 3 scaling
+
+    @property
+    def present(self) -> bool:
+        return self.linear_factor is not None or self.freq_factors is not None
+
+    def apply(self, config: Any) -> None:
+        if self.linear_factor is not None:
+            config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": self.linear_factor}
+        if self.freq_factors is not None:
+            setattr(config, ROPE_FREQ_FACTORS_KEY, self.freq_factors)
+
+
+def _gguf_rope(reader: Any, gguf_arch: str, source: str) -> _GgufRope:
+    from gguf import dequantize
+
+    def field(key: str) -> Any:
+        f = reader.fields.get(f"{gguf_arch}.{key}")
+        return f.contents() if f is not None else None
+
+    scaling_type, factor = field("rope.scaling.type") or "none", field("rope.scaling.factor")
+    if scaling_type not in ("none", "linear"):
+        raise ValueError(f"{source}: unsupported RoPE scaling type {scaling_type!r}; supported: none, linear")
+    if scaling_type == "linear" and factor is None:
+        raise ValueError(f"{source}: linear RoPE scaling without {gguf_arch}.rope.scaling.factor")
+    freq_factors = None
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            freq_factors = dequantize(t.data, t.tensor_type).astype("float32").reshape(-1).tolist()
+    return _GgufRope(float(factor) if scaling_type == "linear" else None, freq_factors)
+
+
 def _gguf_tensors(reader: Any, gguf_arch: str, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
     from gguf import dequantize
 
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         stem, _, kind = t.name.rpartition(".")
-        if stem == "rope_freqs":  # precomputed RoPE factors: derived from the config instead
+        if stem == "rope_freqs":  # not a weight: _gguf_rope reads it into the config
             continue
         parts = stem.split(".")
         if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
@@ -238,44 +318,72 @@ def _gguf_tensors(reader: Any, gguf_arch: str, num_heads: int, num_kv_heads: int
     return tensors
 
 
+def _gguf_architecture(reader: Any, source: str) -> str:
+    field = reader.fields.get("general.architecture")
+    gguf_arch = field.contents() if field is not None else None
+    if gguf_arch not in _GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"{source}: GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(_GGUF_ARCHITECTURES)}"
+        )
+    return gguf_arch
+
+
+def _write_hf_folder(gguf_path: str, reader: Any, gguf_arch: str, rope: _GgufRope, folder: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    directory, name = os.path.split(gguf_path)
+    # transformers reads the metadata and the tokenizer (the parts with many special cases);
+    # the tensors are dequantized here, which is several times faster than its loader.
+    config = AutoConfig.from_pretrained(directory, gguf_file=name)
+    config.architectures = [_GGUF_ARCHITECTURES.get(config.model_type, _GGUF_ARCHITECTURES[gguf_arch])]
+    rope.apply(config)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    tensors = _gguf_tensors(reader, gguf_arch, config.num_attention_heads, config.num_key_value_heads)
+    config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _adopt_revision0_folder(gguf_path: str, target: Path, unchanged: bool) -> bool:
+    """Move the folder revision 0 converted this file to, if any, to `target` when conversion
+    writes the same today (True if `target` is then complete); delete it when not."""
+    old = _cache_folder(gguf_path, 0)
+    if not (old / "config.json").is_file():
+        return False
+    if not unchanged:  # converted without its RoPE scaling: wrong, and the model's size in fp32
+        shutil.rmtree(old, ignore_errors=True)
+        return False
+    try:
+        os.rename(old, target)
+    except OSError:  # another process moved it, or built `target`, first
+        pass
+    return (target / "config.json").is_file()
+
+
 def ensure_hf_folder(gguf_path: str) -> str:
     """Convert a GGUF file to an HF folder in the cache (once) and return the folder's path."""
     gguf_path = os.path.abspath(gguf_path)
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    stem = Path(gguf_path).stem
-    target = _cache_root() / f"{stem}-{_content_key(gguf_path)}"
+    target = _cache_folder(gguf_path, _CONVERSION_REVISION)
     if (target / "config.json").is_file():
         return str(target)
 
     from gguf import GGUFReader
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
 
     reader = GGUFReader(gguf_path)
-    field = reader.fields.get("general.architecture")
-    gguf_arch = field.contents() if field is not None else None
-    if gguf_arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{gguf_path}: GGUF architecture {gguf_arch!r} is not supported; "
-            f"supported: {', '.join(_GGUF_ARCHITECTURES)}"
-        )
-    folder, name = os.path.split(gguf_path)
-    # transformers reads the metadata and the tokenizer (the parts with many special cases);
-    # the tensors are dequantized here, which is several times faster than its loader.
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
-    config.architectures = [_GGUF_ARCHITECTURES.get(config.model_type, _GGUF_ARCHITECTURES[gguf_arch])]
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    tensors = _gguf_tensors(reader, gguf_arch, config.num_attention_heads, config.num_key_value_heads)
+    gguf_arch = _gguf_architecture(reader, gguf_path)
+    rope = _gguf_rope(reader, gguf_arch, gguf_path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if _adopt_revision0_folder(gguf_path, target, unchanged=not rope.present):
+        return str(target)
 
     # Build in a private temp folder, then rename: a concurrent process either sees no folder
     # or a complete one. If another process won the race, keep its folder.
-    target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        _write_hf_folder(gguf_path, reader, gguf_arch, rope, tmp)
         try:
             os.rename(tmp, target)
         except OSError:
@@ -291,8 +399,106 @@ def ensure_hf_folder(gguf_path: str) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _read_arch(folder: Path) -> ModelArchConfig:
+    config_path = folder / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder)")
+    gen_path = folder / "generation_config.json"
+    return arch_from_hf_config(
+        _read_json(config_path), _read_json(gen_path) if gen_path.is_file() else None, str(config_path)
+    )
+
+
+def _expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]:
+    """The HF weight names LlamaForCausalLM.load_weights takes for `arch`, with their shapes."""
+    h, inter, vocab = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    layer: dict[str, tuple[int, ...]] = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (inter, h),
+        "mlp.up_proj.weight": (inter, h),
+        "mlp.down_proj.weight": (h, inter),
+    }
+    if arch.attention_bias:
+        layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+    if arch.o_proj_bias:
+        layer["self_attn.o_proj.bias"] = (h,)
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not arch.tie_word_embeddings:
+        shapes["lm_head.weight"] = (vocab, h)
+    for i in range(arch.num_hidden_layers):
+        shapes |= {f"model.layers.{i}.{name}": shape for name, shape in layer.items()}
+    return shapes
+
+
+def _weight_shapes(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """name -> (file, shape) from the safetensors headers, reading no tensor data."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                found[key] = (file, tuple(f.get_slice(key).get_shape()))
+    return found
+
+
+def _harmless_extra(name: str, arch: ModelArchConfig) -> bool:
+    # Old checkpoints carry the RoPE table; tied ones may still carry lm_head (both are unused).
+    return name.endswith("rotary_emb.inv_freq") or (arch.tie_word_embeddings and name == "lm_head.weight")
+
+
+def _listed(names: list[str], limit: int = 5) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(repr(n) for n in names[:limit]) + more
+
+
+def _check_weights(found: dict[str, tuple[Path, tuple[int, ...]]], arch: ModelArchConfig, folder: Path) -> None:
+    """Raise, naming the weight, unless the checkpoint holds exactly what config.json describes.
+
+    Checked before loading: torch's copy would report a bare size mismatch, or broadcast a
+    too-small tensor (a norm of shape [1]) without complaint.
+    """
+    expected = _expected_weight_shapes(arch)
+    missing = [name for name in expected if name not in found]
+    if missing:
+        raise ValueError(f"{folder}: weights required by config.json are missing: {_listed(missing)}")
+    for name, shape in expected.items():
+        file, got = found[name]
+        if got != shape:
+            raise ValueError(f"{file}: weight {name!r} has shape {list(got)}; config.json implies {list(shape)}")
+    unexpected = sorted(name for name in found if name not in expected and not _harmless_extra(name, arch))
+    if unexpected:
+        raise ValueError(f"{folder}: weights that config.json does not describe: {_listed(unexpected)}")
+
+
+def _load_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+        raise FileNotFoundError(f"{folder}: no tokenizer files (expected one of {', '.join(_TOKENIZER_FILES)})")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # whatever a malformed file makes transformers or tokenizers raise
+        first_line = str(e).strip().partition("\n")[0]
+        raise ValueError(f"{folder}: the tokenizer files could not be loaded: {type(e).__name__}: {first_line}") from e
 
 
 def load_model(
@@ -311,21 +517,17 @@ def load_model(
         gguf_path, name = None, Path(os.path.abspath(model)).name
     folder = Path(ensure_hf_folder(gguf_path) if gguf_path else os.path.abspath(model))
 
-    config_path = folder / "config.json"
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{folder}: no config.json (expected a Hugging Face model folder)")
-    gen_path = folder / "generation_config.json"
-    arch = arch_from_hf_config(
-        _read_json(config_path), _read_json(gen_path) if gen_path.is_file() else None, str(config_path)
-    )
+    # Everything that can be wrong with the folder is checked before the weights are read.
+    arch = _read_arch(folder)
     weight_files = sorted(folder.glob("*.safetensors"))
     if not weight_files:
         raise FileNotFoundError(f"{folder}: no *.safetensors weight files")
+    _check_weights(_weight_shapes(weight_files), arch, folder)
+    tokenizer = _load_tokenizer(folder)
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
     from safetensors import safe_open
-    from transformers import AutoTokenizer
 
     state: dict[str, torch.Tensor] = {}
     for file in weight_files:
@@ -335,7 +537,6 @@ def load_model(
     net = LlamaForCausalLM(arch, torch_dtype, dev)
     net.load_weights(state)
     net.eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
     return LoadedModel(
         model=net, arch=arch, tokenizer=tokenizer, dtype=torch_dtype, device=dev, name=name, path=str(folder)
     )

@@ -1,0 +1,126 @@
+"""A GGUF's RoPE scaling survives conversion: Llama 3's `rope_freqs` tensor and linear scaling
+metadata, which transformers' GGUF config reader drops for llama.
+
+The tiny scaled Llamas are written as llama.cpp's converter would (tiny_models.write_tiny_gguf);
+tokenweir must then generate from the GGUF what it, and transformers, generate from the HF
+folder -- on prompts past the original context (64 positions), where the scaling matters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.hf_reference import hf_greedy
+from tests.model.tiny_models import VOCAB_SIZE, write_tiny_gguf
+from tokenweir.model import loader
+
+NUM_NEW = 8
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("TOKENWEIR_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def tokenweir_greedy(model: str, prompts: list[list[int]]) -> list[list[int]]:
+    from tokenweir import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32", device="cpu")
+    params = SamplingParams(max_tokens=NUM_NEW, min_tokens=NUM_NEW, temperature=0.0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama3", "linear"])
+def test_gguf_rope_scaling_matches_hf_folder(tmp_path, tiny_model_dir, arch):
+    folder = tiny_model_dir(arch)
+    gguf_path = write_tiny_gguf(folder, str(tmp_path / f"{arch}.gguf"))
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, VOCAB_SIZE) for _ in range(n)] for n in (20, 150, 400)]
+
+    expected = hf_greedy(folder, prompts, NUM_NEW, pad_token_id=0)
+    assert tokenweir_greedy(folder, prompts) == expected
+    assert tokenweir_greedy(gguf_path, prompts) == expected
+
+    # Without its scaling the converted model gives other tokens on these prompts: the
+    # comparison above could have failed.
+    config_path = Path(loader.ensure_hf_folder(gguf_path)) / "config.json"
+    cfg = json.loads(config_path.read_text())
+    cfg.pop(loader.ROPE_FREQ_FACTORS_KEY, None)
+    cfg["rope_parameters"]["rope_type"] = "default"
+    config_path.write_text(json.dumps(cfg))
+    assert tokenweir_greedy(gguf_path, prompts) != expected
+
+
+def test_llama3_gguf_carries_rope_freqs_as_factors(tmp_path, tiny_model_dir):
+    gguf_path = write_tiny_gguf(tiny_model_dir("llama3"), str(tmp_path / "llama3.gguf"))
+    converted = loader.load_model(gguf_path, dtype="float32", device="cpu")
+    reference = loader.load_model(tiny_model_dir("llama3"), dtype="float32", device="cpu")
+    # 8 rotary pairs: one kept, two interpolated, five slowed down by the factor (8)
+    factors = converted.arch.rope_freq_factors
+    assert factors is not None and factors[0] == 1.0 and 1.0 < factors[1] < factors[2] < 8.0
+    assert factors[3:] == (8.0,) * 5
+    assert converted.arch.rope_scaling is None
+    tok = converted.tokenizer  # the GGUF's byte-level vocabulary, read by transformers
+    assert tok.eos_token_id == 2 and tok.decode(tok(" the cat").input_ids, skip_special_tokens=True) == " the cat"
+    # float32 angles up to position 511: equal to rounding
+    assert (converted.model.rope_cos - reference.model.rope_cos).abs().max() < 1e-4
+    assert (converted.model.rope_sin - reference.model.rope_sin).abs().max() < 1e-4
+
+
+def test_unsupported_gguf_rope_scaling(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "yarn.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    writer.add_rope_scaling_factor(4.0)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'yarn'"):
+        loader.load_model(str(path))
+
+
+def test_rope_freq_factors_config_key():
+    base = dict(
+        architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=2,
+    )  # head_dim 4: two rotary pairs
+    arch = loader.arch_from_hf_config({**base, loader.ROPE_FREQ_FACTORS_KEY: [1, 2.5]})
+    assert arch.rope_freq_factors == (1.0, 2.5)
+    for bad in ([1.0], [1.0, 0.0], "1 2"):
+        with pytest.raises(ValueError, match="must list 2 positive numbers"):
+            loader.arch_from_hf_config({**base, loader.ROPE_FREQ_FACTORS_KEY: bad})
+
+
+def test_conversion_cache_revisions(tmp_path, tiny_model_dir, monkeypatch):
+    """Folders cached before RoPE scaling was carried over: one for a file without scaling is
+    moved to the new key untouched; one for a scaled file (lacking its factors) is replaced."""
+    plain = write_tiny_gguf(tiny_model_dir("llama"), str(tmp_path / "plain.gguf"))
+    scaled = write_tiny_gguf(tiny_model_dir("llama3"), str(tmp_path / "scaled.gguf"))
+    with monkeypatch.context() as revision0:
+        revision0.setattr(loader, "_CONVERSION_REVISION", 0)
+        old_plain = loader.ensure_hf_folder(plain)
+        old_scaled = loader.ensure_hf_folder(scaled)
+    weights_inode = os.stat(os.path.join(old_plain, "model.safetensors")).st_ino
+    config_path = Path(old_scaled) / "config.json"
+    cfg = json.loads(config_path.read_text())
+    del cfg[loader.ROPE_FREQ_FACTORS_KEY]  # what revision 0 wrote
+    config_path.write_text(json.dumps(cfg))
+
+    new_plain = loader.ensure_hf_folder(plain)
+    assert new_plain != old_plain and not os.path.exists(old_plain)
+    assert os.stat(os.path.join(new_plain, "model.safetensors")).st_ino == weights_inode
+    new_scaled = loader.ensure_hf_folder(scaled)
+    assert new_scaled != old_scaled and not os.path.exists(old_scaled)
+    assert loader.ROPE_FREQ_FACTORS_KEY in json.loads((Path(new_scaled) / "config.json").read_text())
