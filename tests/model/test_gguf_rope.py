@@ -9,7 +9,6 @@ folder -- on prompts past the original context (64 positions), where the scaling
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 
@@ -101,26 +100,3 @@ def test_rope_freq_factors_config_key():
     for bad in ([1.0], [1.0, 0.0], "1 2"):
         with pytest.raises(ValueError, match="must list 2 positive numbers"):
             loader.arch_from_hf_config({**base, loader.ROPE_FREQ_FACTORS_KEY: bad})
-
-
-def test_conversion_cache_revisions(tmp_path, tiny_model_dir, monkeypatch):
-    """Folders cached before RoPE scaling was carried over: one for a file without scaling is
-    moved to the new key untouched; one for a scaled file (lacking its factors) is replaced."""
-    plain = write_tiny_gguf(tiny_model_dir("llama"), str(tmp_path / "plain.gguf"))
-    scaled = write_tiny_gguf(tiny_model_dir("llama3"), str(tmp_path / "scaled.gguf"))
-    with monkeypatch.context() as revision0:
-        revision0.setattr(loader, "_CONVERSION_REVISION", 0)
-        old_plain = loader.ensure_hf_folder(plain)
-        old_scaled = loader.ensure_hf_folder(scaled)
-    weights_inode = os.stat(os.path.join(old_plain, "model.safetensors")).st_ino
-    config_path = Path(old_scaled) / "config.json"
-    cfg = json.loads(config_path.read_text())
-    del cfg[loader.ROPE_FREQ_FACTORS_KEY]  # what revision 0 wrote
-    config_path.write_text(json.dumps(cfg))
-
-    new_plain = loader.ensure_hf_folder(plain)
-    assert new_plain != old_plain and not os.path.exists(old_plain)
-    assert os.stat(os.path.join(new_plain, "model.safetensors")).st_ino == weights_inode
-    new_scaled = loader.ensure_hf_folder(scaled)
-    assert new_scaled != old_scaled and not os.path.exists(old_scaled)
-    assert loader.ROPE_FREQ_FACTORS_KEY in json.loads((Path(new_scaled) / "config.json").read_text())

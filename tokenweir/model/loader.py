@@ -220,18 +220,16 @@ def _cache_root() -> Path:
     return Path(root) if root else Path.home() / ".cache" / "tokenweir"
 
 
-# Part of the cache key: bump it when conversion writes something new, so that no folder written
-# before is used in its place. Revision 1 carries RoPE scaling over; for a file without any it
-# writes what revision 0 wrote, so that folder is moved rather than rebuilt.
+# Part of the cache key: bump it whenever conversion writes something different, so that a
+# folder converted by an older version is never used in place of the new result.
 _CONVERSION_REVISION = 1
 
 
-def _cache_folder(gguf_path: str, revision: int) -> Path:
+def _cache_folder(gguf_path: str) -> Path:
     # Size plus the first and last MiB (header, metadata, tokenizer, first and last tensors):
-    # cheap, and unlike mtime it survives a reinstall of the same file. Revision 0 hashed no
-    # revision: its folder names stay what they were.
+    # cheap, and unlike mtime it survives a reinstall of the same file.
     size = os.path.getsize(gguf_path)
-    h = hashlib.sha256(str(size).encode() + (f":r{revision}".encode() if revision else b""))
+    h = hashlib.sha256(f"{size}:r{_CONVERSION_REVISION}".encode())
     with open(gguf_path, "rb") as f:
         h.update(f.read(1 << 20))
         f.seek(max(0, size - (1 << 20)))
@@ -265,10 +263,6 @@ class _GgufRope:
 
     linear_factor: float | None  # `{arch}.rope.scaling.type` "linear" with its factor
     freq_factors: list[float] | None  # the `rope_freqs` tensor: llama.cpp's Llama 3 scaling
-
-    @property
-    def present(self) -> bool:
-        return self.linear_factor is not None or self.freq_factors is not None
 
     def apply(self, config: Any) -> None:
         if self.linear_factor is not None:
@@ -345,28 +339,12 @@ def _write_hf_folder(gguf_path: str, reader: Any, gguf_arch: str, rope: _GgufRop
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
-def _adopt_revision0_folder(gguf_path: str, target: Path, unchanged: bool) -> bool:
-    """Move the folder revision 0 converted this file to, if any, to `target` when conversion
-    writes the same today (True if `target` is then complete); delete it when not."""
-    old = _cache_folder(gguf_path, 0)
-    if not (old / "config.json").is_file():
-        return False
-    if not unchanged:  # converted without its RoPE scaling: wrong, and the model's size in fp32
-        shutil.rmtree(old, ignore_errors=True)
-        return False
-    try:
-        os.rename(old, target)
-    except OSError:  # another process moved it, or built `target`, first
-        pass
-    return (target / "config.json").is_file()
-
-
 def ensure_hf_folder(gguf_path: str) -> str:
     """Convert a GGUF file to an HF folder in the cache (once) and return the folder's path."""
     gguf_path = os.path.abspath(gguf_path)
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    target = _cache_folder(gguf_path, _CONVERSION_REVISION)
+    target = _cache_folder(gguf_path)
     if (target / "config.json").is_file():
         return str(target)
 
@@ -376,8 +354,6 @@ def ensure_hf_folder(gguf_path: str) -> str:
     gguf_arch = _gguf_architecture(reader, gguf_path)
     rope = _gguf_rope(reader, gguf_arch, gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    if _adopt_revision0_folder(gguf_path, target, unchanged=not rope.present):
-        return str(target)
 
     # Build in a private temp folder, then rename: a concurrent process either sees no folder
     # or a complete one. If another process won the race, keep its folder.
