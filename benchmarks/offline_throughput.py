@@ -123,7 +123,8 @@ def profile_tokenweir(workload, dtype: str, args, spec: str) -> None:
 def _hf_model(dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    from tokenweir.model.loader import default_model_path, ensure_hf_folder
+    from tokenweir.model.gguf_conversion import ensure_hf_folder
+    from tokenweir.model.loader import default_model_path
 
     return AutoModelForCausalLM.from_pretrained(ensure_hf_folder(default_model_path()), dtype=dtype).eval()
 

@@ -25,7 +25,8 @@ from pathlib import Path
 import httpx
 
 from tokenweir.bench import serve as bench_serve
-from tokenweir.model.loader import default_model_path, ensure_hf_folder
+from tokenweir.model.gguf_conversion import ensure_hf_folder
+from tokenweir.model.loader import default_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"

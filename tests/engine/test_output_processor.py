@@ -15,7 +15,8 @@ TEXT = "Olá, café ☕ naïve résumé 🎉🎉 done."
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from tokenweir.model.loader import default_model_path, ensure_hf_folder
+    from tokenweir.model.gguf_conversion import ensure_hf_folder
+    from tokenweir.model.loader import default_model_path
 
     return AutoTokenizer.from_pretrained(ensure_hf_folder(default_model_path()))
 

@@ -16,14 +16,15 @@ import pytest
 
 from tests.hf_reference import hf_greedy
 from tests.model.tiny_models import VOCAB_SIZE, write_tiny_gguf
-from tokenweir.model import loader
+from tokenweir.model import gguf_conversion, loader
 
 NUM_NEW = 8
 
 
 @pytest.fixture(autouse=True)
 def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("TOKENWEIR_CACHE_DIR", str(tmp_path / "cache"))
+    # Conversions of this test's GGUFs only: the compiled kernels stay in the shared cache.
+    monkeypatch.setattr(gguf_conversion, "cache_root", lambda: tmp_path / "cache")
     return tmp_path / "cache"
 
 
@@ -49,9 +50,9 @@ def test_gguf_rope_scaling_matches_hf_folder(tmp_path, tiny_model_dir, arch):
 
     # Without its scaling the converted model gives other tokens on these prompts: the
     # comparison above could have failed.
-    config_path = Path(loader.ensure_hf_folder(gguf_path)) / "config.json"
+    config_path = Path(gguf_conversion.ensure_hf_folder(gguf_path)) / "config.json"
     cfg = json.loads(config_path.read_text())
-    cfg.pop(loader.ROPE_FREQ_FACTORS_KEY, None)
+    cfg.pop(gguf_conversion.ROPE_FREQ_FACTORS_KEY, None)
     cfg["rope_parameters"]["rope_type"] = "default"
     config_path.write_text(json.dumps(cfg))
     assert tokenweir_greedy(gguf_path, prompts) != expected
@@ -95,8 +96,8 @@ def test_rope_freq_factors_config_key():
         architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
         num_hidden_layers=1, num_attention_heads=2,
     )  # head_dim 4: two rotary pairs
-    arch = loader.arch_from_hf_config({**base, loader.ROPE_FREQ_FACTORS_KEY: [1, 2.5]})
+    arch = loader.arch_from_hf_config({**base, gguf_conversion.ROPE_FREQ_FACTORS_KEY: [1, 2.5]})
     assert arch.rope_freq_factors == (1.0, 2.5)
     for bad in ([1.0], [1.0, 0.0], "1 2"):
         with pytest.raises(ValueError, match="must list 2 positive numbers"):
-            loader.arch_from_hf_config({**base, loader.ROPE_FREQ_FACTORS_KEY: bad})
+            loader.arch_from_hf_config({**base, gguf_conversion.ROPE_FREQ_FACTORS_KEY: bad})

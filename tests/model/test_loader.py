@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches
+from tokenweir.model.gguf_conversion import ensure_hf_folder
 from tokenweir.model.loader import (
     arch_from_hf_config,
     default_model_path,
-    ensure_hf_folder,
     load_model,
     resolve_dtype,
 )

@@ -1,38 +1,25 @@
-"""Load a Llama-family model from a Hugging Face folder or a GGUF file.
-
-A GGUF file is converted once into a cached HF folder (fp32 safetensors, config.json,
-tokenizer files): converting through transformers on every start would take ~35 s, reading
-the cached folder takes a few. The same folder is what tests hand to transformers as the
-correctness oracle, so both sides see identical weights -- except for a GGUF carrying
-`rope_freqs` (Llama 3.x), whose RoPE factors go under a config key that only tokenweir reads.
-"""
+"""Load a Llama-family model from a Hugging Face folder or a GGUF file (converted once into a
+cached HF folder by model/gguf_conversion.py), checking the folder first so that a broken one gets an error
+naming what is wrong."""
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tokenweir.model.gguf_conversion import ROPE_FREQ_FACTORS_KEY, ensure_hf_folder
 from tokenweir.model.llama import LlamaForCausalLM, ModelArchConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# GGUF `general.architecture` values we convert (Mistral GGUFs say "llama").
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # config.json keys with no sensible default: without one the config describes no model.
 _REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-# Per rotary pair, the divisor of its RoPE frequency: how llama.cpp stores Llama 3 scaling (the
-# `rope_freqs` tensor). Not an HF key: the (factor, low/high_freq_factor, original context) that
-# produced the divisors cannot be recovered exactly from them, so they are kept as they are.
-ROPE_FREQ_FACTORS_KEY = "tokenweir_rope_freq_factors"
 # Any of these gives AutoTokenizer a vocabulary (tokenizer_config.json alone does not).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -209,169 +196,6 @@ def arch_from_hf_config(
         sliding_window=int(window) if window else None,
         rope_freq_factors=_rope_freq_factors(cfg, head_dim, source),
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# GGUF -> cached HF folder
-
-
-def _cache_root() -> Path:
-    root = os.environ.get("TOKENWEIR_CACHE_DIR")
-    return Path(root) if root else Path.home() / ".cache" / "tokenweir"
-
-
-# Part of the cache key: bump it whenever conversion writes something different, so that a
-# folder converted by an older version is never used in place of the new result.
-_CONVERSION_REVISION = 1
-
-
-def _cache_folder(gguf_path: str) -> Path:
-    # Size plus the first and last MiB (header, metadata, tokenizer, first and last tensors):
-    # cheap, and unlike mtime it survives a reinstall of the same file.
-    size = os.path.getsize(gguf_path)
-    h = hashlib.sha256(f"{size}:r{_CONVERSION_REVISION}".encode())
-    with open(gguf_path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        h.update(f.read())
-    return _cache_root() / f"{Path(gguf_path).stem}-{h.hexdigest()[:12]}"
-
-
-def _unpermute_rope(w: Any, n_head: int) -> Any:
-    # llama.cpp's converter interleaves each head's two rotary halves for Q and K (its RoPE
-    # rotates adjacent pairs); HF rotates halves. Undo: rows (head, pair, 2) -> (head, 2, pair).
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-_GGUF_LAYER_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_GGUF_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-@dataclass(frozen=True)
-class _GgufRope:
-    """The RoPE scaling a GGUF carries, which transformers' GGUF reader drops for these architectures."""
-
-    linear_factor: float | None  # `{arch}.rope.scaling.type` "linear" with its factor
-    freq_factors: list[float] | None  # the `rope_freqs` tensor: llama.cpp's Llama 3 scaling
-
-    def apply(self, config: Any) -> None:
-        if self.linear_factor is not None:
-            config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": self.linear_factor}
-        if self.freq_factors is not None:
-            setattr(config, ROPE_FREQ_FACTORS_KEY, self.freq_factors)
-
-
-def _gguf_rope(reader: Any, gguf_arch: str, source: str) -> _GgufRope:
-    from gguf import dequantize
-
-    def field(key: str) -> Any:
-        f = reader.fields.get(f"{gguf_arch}.{key}")
-        return f.contents() if f is not None else None
-
-    scaling_type, factor = field("rope.scaling.type") or "none", field("rope.scaling.factor")
-    if scaling_type not in ("none", "linear"):
-        raise ValueError(f"{source}: unsupported RoPE scaling type {scaling_type!r}; supported: none, linear")
-    if scaling_type == "linear" and factor is None:
-        raise ValueError(f"{source}: linear RoPE scaling without {gguf_arch}.rope.scaling.factor")
-    freq_factors = None
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            freq_factors = dequantize(t.data, t.tensor_type).astype("float32").reshape(-1).tolist()
-    return _GgufRope(float(factor) if scaling_type == "linear" else None, freq_factors)
-
-
-def _gguf_tensors(reader: Any, gguf_arch: str, num_heads: int, num_kv_heads: int) -> dict[str, torch.Tensor]:
-    from gguf import dequantize
-
-    tensors: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
-        stem, _, kind = t.name.rpartition(".")
-        if stem == "rope_freqs":  # not a weight: _gguf_rope reads it into the config
-            continue
-        parts = stem.split(".")
-        if len(parts) == 3 and parts[0] == "blk" and parts[2] in _GGUF_LAYER_NAMES:
-            name = f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{kind}"
-        elif stem in _GGUF_GLOBAL_NAMES:
-            name = f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
-        else:
-            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
-        w = dequantize(t.data, t.tensor_type)
-        if gguf_arch == "llama" and stem.endswith(("attn_q", "attn_k")):
-            w = _unpermute_rope(w, num_heads if stem.endswith("attn_q") else num_kv_heads)
-        tensors[name] = torch.from_numpy(w.astype("float32", copy=True)).contiguous()
-    return tensors
-
-
-def _gguf_architecture(reader: Any, source: str) -> str:
-    field = reader.fields.get("general.architecture")
-    gguf_arch = field.contents() if field is not None else None
-    if gguf_arch not in _GGUF_ARCHITECTURES:
-        raise ValueError(
-            f"{source}: GGUF architecture {gguf_arch!r} is not supported; supported: {', '.join(_GGUF_ARCHITECTURES)}"
-        )
-    return gguf_arch
-
-
-def _write_hf_folder(gguf_path: str, reader: Any, gguf_arch: str, rope: _GgufRope, folder: Path) -> None:
-    from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer
-
-    directory, name = os.path.split(gguf_path)
-    # transformers reads the metadata and the tokenizer (the parts with many special cases);
-    # the tensors are dequantized here, which is several times faster than its loader.
-    config = AutoConfig.from_pretrained(directory, gguf_file=name)
-    config.architectures = [_GGUF_ARCHITECTURES.get(config.model_type, _GGUF_ARCHITECTURES[gguf_arch])]
-    rope.apply(config)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    tensors = _gguf_tensors(reader, gguf_arch, config.num_attention_heads, config.num_key_value_heads)
-    config.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-def ensure_hf_folder(gguf_path: str) -> str:
-    """Convert a GGUF file to an HF folder in the cache (once) and return the folder's path."""
-    gguf_path = os.path.abspath(gguf_path)
-    if not os.path.isfile(gguf_path):
-        raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
-    target = _cache_folder(gguf_path)
-    if (target / "config.json").is_file():
-        return str(target)
-
-    from gguf import GGUFReader
-
-    reader = GGUFReader(gguf_path)
-    gguf_arch = _gguf_architecture(reader, gguf_path)
-    rope = _gguf_rope(reader, gguf_arch, gguf_path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-
-    # Build in a private temp folder, then rename: a concurrent process either sees no folder
-    # or a complete one. If another process won the race, keep its folder.
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
-    try:
-        _write_hf_folder(gguf_path, reader, gguf_arch, rope, tmp)
-        try:
-            os.rename(tmp, target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
-
-
-# ---------------------------------------------------------------------------------------------
-# HF folder -> LoadedModel
 
 
 def _read_json(path: Path) -> dict[str, Any]:

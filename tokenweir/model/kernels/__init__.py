@@ -19,6 +19,8 @@ from typing import Optional
 
 import torch
 
+from tokenweir.paths import cache_root
+
 logger = logging.getLogger("tokenweir")
 
 _DIR = Path(__file__).parent
@@ -44,7 +46,7 @@ def _build(compiler: str, extra_flags: tuple[str, ...] = ()) -> Path:
     flags = [*_FLAGS, *extra_flags]
     source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TOKENWEIR_CACHE_DIR", Path.home() / ".cache" / "tokenweir")) / "kernels"
+    root = cache_root() / "kernels"
     target = root / f"tokenweir_kernels-{key}.so"
     if target.exists():
         return target
