@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import pytest
@@ -24,10 +25,21 @@ async def collect(engine, request_id, prompt, params=GREEDY, **kwargs):
     return [out async for out in engine.generate(request_id, prompt, params, **kwargs)]
 
 
-def test_generate_streams_cumulative_outputs(clean):
+def test_generate_streams_cumulative_outputs(clean, monkeypatch):
+    # Steps of >= 20 ms give the consumer time to read each output before the next: a stream
+    # hands over only its newest output, so a consumer slower than the engine reads merged ones.
+    step = clean.core.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(clean.core, "step", slow_step)
     outputs = asyncio.run(collect(clean, "stream", [5, 6, 7]))
     token_counts = [len(o.outputs[0].token_ids) for o in outputs]
-    assert token_counts == sorted(token_counts) and token_counts[-1] == 6
+    # Outputs arrive one step at a time, each with more tokens than the one before.
+    assert len(outputs) > 1
+    assert all(a < b for a, b in zip(token_counts, token_counts[1:])) and token_counts[-1] == 6
     assert [o.finished for o in outputs] == [False] * (len(outputs) - 1) + [True]
     assert outputs[-1].outputs[0].finish_reason == "length"
 

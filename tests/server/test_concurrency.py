@@ -18,27 +18,41 @@ WORDS = "the a of to in is it you that he was for on are with as his they be at 
 def test_32_concurrent_streams_complete(server):
     lengths = [4 + i % 13 for i in range(32)]
 
-    async def one(ac, i, n):
+    def request(i, n):
+        # Seeded sampling: reproducible like greedy, and it spells text, which the tiny random
+        # model's greedy picks often do not.
         prompt = " ".join(WORDS[(i + j) % len(WORDS)] for j in range(3 + i % 7))
-        stream = await ac.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0.8, seed=i,
-                                             stream=True, stream_options={"include_usage": True},
-                                             extra_body={"ignore_eos": True})
-        finish, usage = None, None
-        async for chunk in stream:
-            if chunk.choices:
-                finish = chunk.choices[0].finish_reason or finish
-            usage = chunk.usage or usage
-        return finish, usage
+        return dict(model=MODEL, prompt=prompt, max_tokens=n, temperature=0.8, seed=i,
+                    extra_body={"ignore_eos": True})
 
-    async def run():
+    async def streamed(ac, i, n):
+        stream = await ac.completions.create(**request(i, n), stream=True, stream_options={"include_usage": True})
+        choices, usage = [], None
+        async for chunk in stream:
+            choices += chunk.choices
+            usage = chunk.usage or usage
+        return choices, usage
+
+    async def not_streamed(ac, i, n):
+        return await ac.completions.create(**request(i, n))
+
+    async def run(one):
         ac = async_client(server)
         results = await asyncio.gather(*(one(ac, i, n) for i, n in enumerate(lengths)))
         await ac.close()
         return results
 
-    results = asyncio.run(run())
-    assert [finish for finish, _ in results] == ["length"] * 32
-    assert [usage.completion_tokens for _, usage in results] == lengths
+    streams = asyncio.run(run(streamed))
+    fulls = asyncio.run(run(not_streamed))
+    for (choices, usage), full, n in zip(streams, fulls, lengths):
+        assert usage.completion_tokens == full.usage.completion_tokens == n
+        assert [c.finish_reason for c in choices] == [None] * (len(choices) - 1) + ["length"]
+        assert "".join(c.text for c in choices) == full.choices[0].text
+        # A chunk goes out only with new text, except the last one (it carries finish_reason),
+        # and each one brings at least one new token.
+        assert all(c.text for c in choices[:-1])
+        assert len(choices) <= n
+    assert sum(bool(full.choices[0].text) for full in fulls) > 16  # not a comparison of empty strings
 
 
 def test_429_past_the_waiting_limit(make_server, engine, gate):

@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
+import re
+import time
 
-from tests.server.conftest import BLOCK_SIZE
+import pytest
+
+from tests.server.conftest import BLOCK_SIZE, wait_until
 from tests.server.helpers import MODEL, client, scrape, value
+from tokenweir.config import EngineArgs
 from tokenweir.core.kv_cache_manager import PrefixCacheStats
 from tokenweir.core.scheduler import SchedulerStats
+from tokenweir.engine.async_engine import AsyncLLMEngine
+from tokenweir.engine.core import EngineCore
 from tokenweir.metrics import StatsLogger
+from tokenweir.request import SamplingParams
 
 HISTOGRAMS = ["time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
               "request_prefill_time_seconds", "request_decode_time_seconds", "time_per_output_token_seconds"]
+
+
+# vLLM v0.11's bucket edges (vllm/v1/metrics/loggers.py, PrometheusStatLogger), written out
+# here rather than imported so that a change on either side shows.
+VLLM_BUCKETS = {
+    "time_to_first_token_seconds": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+    "inter_token_latency_seconds": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                                    2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0],
+    "e2e_request_latency_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
+    "iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+}
 
 
 def delta(before, after, name, **labels):
@@ -72,6 +95,77 @@ def test_every_metric_is_exported_with_the_model_name(server):
     for histogram in HISTOGRAMS + ["inter_token_latency_seconds", "iteration_tokens_total"]:
         assert f"tokenweir:{histogram}_bucket" in names
     assert not any(name.endswith("_created") for name in names)
+
+
+def bucket_edges(samples, histogram: str) -> list[float]:
+    """The finite `le` edges of a histogram's buckets, ascending."""
+    edges = [float(dict(labels)["le"]) for name, labels in samples if name == f"tokenweir:{histogram}_bucket"]
+    return sorted(e for e in edges if not math.isinf(e))
+
+
+@pytest.mark.parametrize("histogram", sorted(VLLM_BUCKETS))
+def test_bucket_edges_are_vllms(server, engine, histogram):
+    expected = VLLM_BUCKETS[histogram]
+    if histogram == "iteration_tokens_total":
+        # tokenweir drops the edges above its step budget, which no step can reach; vLLM keeps
+        # all of them.
+        budget = engine.core.scheduler_config.max_num_batched_tokens
+        expected = [e for e in expected if e <= budget]
+    assert bucket_edges(scrape(server), histogram) == expected
+
+
+STATS_LINE = re.compile(
+    r"Avg prompt throughput: (?P<prompt>[\d.]+) tokens/s, Avg generation throughput: (?P<gen>[\d.]+) tokens/s, "
+    r"Running: (?P<running>\d+) reqs, Waiting: (?P<waiting>\d+) reqs, Swapped: (?P<swapped>\d+) reqs, "
+    r"KV cache usage: (?P<kv>[\d.]+)%, Prefix cache hit rate: (?P<hit>[\d.]+)%$")
+IDLE = {"prompt": "0.0", "gen": "0.0", "running": "0", "waiting": "0", "swapped": "0", "kv": "0.0", "hit": "0.0"}
+
+
+def test_engine_logs_stats_lines_for_a_known_workload(tiny_model_dir, caplog, monkeypatch):
+    # Three requests on a two-sequence engine whose steps take >= 30 ms, more than the 20 ms
+    # log interval, so that every step ends with a line: while the first two run, the third
+    # waits. The prompts share two full blocks, which a request admitted later finds cached.
+    args = EngineArgs(model=tiny_model_dir("llama"), dtype="float32", device="cpu", num_gpu_blocks_override=64,
+                      block_size=BLOCK_SIZE, max_num_seqs=2, served_model_name=MODEL)
+    engine = AsyncLLMEngine(EngineCore(args), log_stats=True, stats_interval_s=0.02)
+    step = engine.core.step
+
+    def slow_step():
+        time.sleep(0.03)
+        return step()
+
+    monkeypatch.setattr(engine.core, "step", slow_step)
+    shared = list(range(5, 5 + 2 * BLOCK_SIZE))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+    async def run(i):
+        return [out async for out in engine.generate(f"r{i}", shared + [100 + i], params)]
+
+    async def run_all():
+        return await asyncio.gather(*(run(i) for i in range(3)))
+
+    def lines():
+        return [m.groupdict() for m in map(STATS_LINE.match, caplog.messages) if m]
+
+    try:
+        with caplog.at_level(logging.INFO, logger="tokenweir"):
+            outputs = asyncio.run(run_all())
+            # After the work, an idle line: the engine publishes stats while it waits.
+            wait_until(lambda: lines()[-1:] == [IDLE], "the idle stats line", timeout_s=5)
+    finally:
+        engine.shutdown()
+
+    assert all(out[-1].outputs[0].finish_reason == "length" for out in outputs)
+    logged = lines()
+    assert len(logged) == len([m for m in caplog.messages if "Avg prompt throughput" in m])  # all parse
+    assert all(int(line["running"]) <= 2 and line["swapped"] == "0" for line in logged)
+    busy = [line for line in logged if (line["running"], line["waiting"]) == ("2", "1")]
+    assert busy and all(float(line["kv"]) > 0 for line in busy)
+    assert any(float(line["prompt"]) > 0 for line in logged)
+    assert any(float(line["gen"]) > 0 for line in logged)
+    # A request admitted after another one's prefill hits the shared blocks: 32 of its 33
+    # prompt tokens; the line of that step shows it.
+    assert f"{100 * 2 * BLOCK_SIZE / (2 * BLOCK_SIZE + 1):.1f}" in [line["hit"] for line in logged]
 
 
 def test_stats_log_line(caplog):

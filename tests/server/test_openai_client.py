@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 import tokenweir
+from tests.server.conftest import wait_until
 from tests.server.helpers import MODEL, async_client, client
 
 PROMPT = "the capital of france is"
@@ -65,6 +69,32 @@ def test_chat_streamed_and_not(server, engine):
     text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert text == full.choices[0].message.content
     assert chunks[-1].usage == full.usage
+
+
+def test_chat_stream_opens_with_the_first_token(server, engine, gate):
+    # The role chunk waits for the engine's first output, so a client timing the first chunk
+    # measures time to first token. The engine is held before its first step here.
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True, "ignore_eos": True,
+            **SEEDED}
+    events: list[dict] = []
+
+    def read() -> None:
+        with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line.removeprefix("data: ")))
+
+    with ThreadPoolExecutor(1) as pool:
+        done = pool.submit(read)
+        wait_until(lambda: engine.num_waiting_requests() == 1, "the request to wait")
+        time.sleep(0.3)  # a role chunk sent on acceptance would be here by now
+        assert events == []
+        gate.set()
+        done.result()
+    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
+    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
+    # Each chunk, the opening one included, brings at least one of the 4 tokens.
+    assert len(deltas) <= 4
 
 
 def test_stop_string_cuts_the_text(server):

@@ -1,4 +1,13 @@
-"""One streamed request to an OpenAI-compatible server, timed chunk by chunk."""
+"""One streamed request to an OpenAI-compatible server, timed chunk by chunk as `vllm bench serve`
+times it.
+
+Every SSE event whose `choices` list is non-empty is a timed chunk, even when its text is empty
+(a chat stream's role-only opening delta, a final chunk that carries only finish_reason): the
+first sets TTFT, each later one adds an ITL gap, and the last one ends the request's latency.
+Events without choices (the usage summary) are not timed. Output text accumulates over the
+chunks; output tokens come from the server's `usage.completion_tokens`. The prompt length stays
+the dataset's own, whatever the server reports in `usage.prompt_tokens`.
+"""
 
 import json
 import time
@@ -32,38 +41,72 @@ def build_payload(endpoint: str, model: str, request: BenchRequest, ignore_eos: 
     return payload
 
 
-def parse_chunk(data: dict) -> tuple[str, dict | None]:
-    """(output text, usage or None) of one SSE event from either endpoint.
+def choice_text(choice: dict) -> str:
+    """Output text of one streamed choice from either endpoint; reasoning counts as output
+    (it is generated tokens)."""
+    if "text" in choice:
+        return choice["text"] or ""
+    delta = choice.get("delta") or {}
+    return delta.get("content") or delta.get("reasoning_content") or delta.get("reasoning") or ""
 
-    Chat streams open with a role-only delta and may carry reasoning before content;
-    reasoning counts as output (it is generated tokens), the empty role delta does not.
-    """
-    text = ""
-    if choices := data.get("choices"):
-        choice = choices[0]
-        if "text" in choice:
-            text = choice["text"] or ""
+
+class StreamTimer:
+    """Builds a request's record from its SSE events and their arrival times (seconds on the
+    clock `start` was read from), so the timing rules can be checked on hand-made streams."""
+
+    def __init__(self, request: BenchRequest, start: float) -> None:
+        self.record = RequestRecord(success=False, prompt_len=request.prompt_len)
+        self._start = start
+        self._last_chunk: float | None = None
+        self._text: list[str] = []
+        self._num_text_chunks = 0
+        self._completion_tokens: int | None = None
+
+    def on_event(self, data: dict, now: float) -> None:
+        """One SSE event's JSON data, received at `now`."""
+        if usage := data.get("usage"):
+            if usage.get("completion_tokens") is not None:
+                self._completion_tokens = int(usage["completion_tokens"])
+        choices = data.get("choices")
+        if not choices:
+            return
+        if self._last_chunk is None:
+            self.record.ttft = now - self._start
         else:
-            delta = choice.get("delta") or {}
-            text = (delta.get("content") or delta.get("reasoning_content")
-                    or delta.get("reasoning") or "")
-    return text, data.get("usage")
+            self.record.itl.append(now - self._last_chunk)
+        self._last_chunk = now
+        text = choice_text(choices[0])
+        self._text.append(text)
+        self._num_text_chunks += bool(text)
+
+    def finish(self) -> RequestRecord:
+        """The record once the stream has ended; a stream without a timed chunk has no TTFT
+        and fails."""
+        record = self.record
+        if self._last_chunk is None:
+            record.error = "stream carried no chunk with choices"
+            return record
+        record.success = True
+        record.latency = self._last_chunk - self._start
+        record.generated_text = "".join(self._text)
+        # A server that sends no usage: count the chunks that carried text (vLLM re-tokenizes
+        # the text instead, which needs a tokenizer this client may not have).
+        record.output_tokens = (self._completion_tokens if self._completion_tokens is not None
+                                else self._num_text_chunks)
+        return record
 
 
 async def send_request(session: aiohttp.ClientSession, url: str, headers: dict[str, str],
                        payload: dict, request: BenchRequest) -> RequestRecord:
     """Run one request; HTTP errors and exceptions are recorded in the result, never raised."""
-    record = RequestRecord(success=False, prompt_len=request.prompt_len)
-    num_text_chunks = 0
-    usage: dict | None = None
     start = time.perf_counter()
-    last_chunk = start
+    timer = StreamTimer(request, start)
     try:
         async with session.post(url, json=payload, headers=headers) as response:
             if response.status != 200:
                 body = await response.text()
-                record.error = f"HTTP {response.status}: {body[:500]}"
-                return record
+                timer.record.error = f"HTTP {response.status}: {body[:500]}"
+                return timer.record
             # aiohttp yields the body line by line, so split SSE frames need no reassembly.
             async for raw in response.content:
                 line = raw.decode("utf-8").strip()
@@ -74,32 +117,10 @@ async def send_request(session: aiohttp.ClientSession, url: str, headers: dict[s
                     break
                 data = json.loads(body)
                 if "error" in data:
-                    record.error = f"stream error: {data['error']}"
-                    return record
-                now = time.perf_counter()
-                text, chunk_usage = parse_chunk(data)
-                usage = chunk_usage or usage
-                if not text:
-                    continue
-                if num_text_chunks == 0:
-                    record.ttft = now - start
-                else:
-                    record.itl.append(now - last_chunk)
-                last_chunk = now
-                num_text_chunks += 1
-        record.latency = time.perf_counter() - start
+                    timer.record.error = f"stream error: {data['error']}"
+                    return timer.record
+                timer.on_event(data, time.perf_counter())
     except Exception as e:  # a load generator reports failures; it must not stop on one
-        record.error = f"{type(e).__name__}: {e}"
-        return record
-    if num_text_chunks == 0:
-        # Without a first text chunk there is no TTFT to report.
-        record.error = "stream carried no output text"
-        return record
-    record.success = True
-    if usage and usage.get("completion_tokens") is not None:
-        record.output_tokens = int(usage["completion_tokens"])
-    else:
-        record.output_tokens = num_text_chunks
-    if usage and usage.get("prompt_tokens") is not None:
-        record.prompt_len = int(usage["prompt_tokens"])
-    return record
+        timer.record.error = f"{type(e).__name__}: {e}"
+        return timer.record
+    return timer.finish()

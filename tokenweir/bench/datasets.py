@@ -48,8 +48,8 @@ class Tokenizer(Protocol):
 @dataclass(frozen=True, slots=True)
 class BenchRequest:
     prompt: str
-    # Exact with a tokenizer; otherwise the nominal length (one filler word per token),
-    # replaced by the server's reported usage once the request has run.
+    # Exact with a tokenizer; otherwise the nominal length (one filler word per token).
+    # Total input tokens count this length, not the server's usage.prompt_tokens.
     prompt_len: int
     output_len: int
 

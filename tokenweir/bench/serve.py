@@ -58,7 +58,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="bearer token; default: $OPENAI_API_KEY")
     parser.add_argument("--tokenizer", default=None,
                         help="Hugging Face tokenizer folder for exact prompt lengths; without "
-                             "it prompts are filler words and prompt tokens come from usage")
+                             "it prompts are filler words counted as one token each")
     parser.add_argument("--num-prompts", type=int, default=1000)
     parser.add_argument("--request-rate", type=float, default=math.inf,
                         help="requests/s; inf sends all at once")
@@ -245,6 +245,7 @@ async def _benchmark(args: argparse.Namespace) -> dict:
         "output_lens": [r.output_tokens if r.success else 0 for r in records],
         "ttfts": [r.ttft for r in records],
         "itls": [r.itl for r in records],
+        "generated_texts": [r.generated_text for r in records],
         "errors": [r.error for r in records],
     }
     if args.dataset_name == "trace":

@@ -3,11 +3,11 @@
 All functions are pure so they can be checked against hand-computed fixtures. Times in
 records are seconds; reported latency statistics are milliseconds.
 
-- TTFT: send to first streamed chunk carrying output text.
+- TTFT: send to the first streamed chunk with a non-empty `choices` list, text or not.
 - TPOT: (E2EL - TTFT) / (output_tokens - 1), only for requests with more than one token.
-- ITL: every gap between consecutive text chunks, pooled over all requests (a chunk may
+- ITL: every gap between consecutive such chunks, pooled over all requests (a chunk may
   carry several tokens, so ITL and TPOT differ when a server batches its stream).
-- E2EL: send to end of stream.
+- E2EL: send to the last chunk with choices (the usage summary after it does not count).
 Failed requests count only in `failed`.
 """
 
@@ -27,8 +27,9 @@ class RequestRecord:
     output_tokens: int = 0
     ttft: float = 0.0
     latency: float = 0.0
-    # Gaps between consecutive text chunks after the first.
+    # Gaps between consecutive chunks with choices after the first.
     itl: list[float] = field(default_factory=list)
+    generated_text: str = ""
     error: str = ""
 
     @property

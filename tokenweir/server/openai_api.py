@@ -319,11 +319,14 @@ class OpenAIServer:
         return self.tokenizer.decode([token_id])
 
     def _choice(self, job: _Job, output: RequestOutput, text: str, logprobs: Any,
-                chunk: bool) -> dict[str, Any]:
+                chunk: bool, opening: bool = False) -> dict[str, Any]:
+        """One choice; `opening` marks a chat stream's first chunk, which names the role."""
         completion = output.outputs[0]
         finish = completion.finish_reason if output.finished else None
         choice: dict[str, Any] = {"index": 0}
-        if job.chat and chunk:
+        if job.chat and opening:
+            choice["delta"] = {"role": "assistant", "content": text}
+        elif job.chat and chunk:
             choice["delta"] = {"content": text} if text else {}
         elif job.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -334,22 +337,26 @@ class OpenAIServer:
         return choice
 
     async def stream(self, job: _Job) -> AsyncIterator[str]:
-        """SSE chunks: text deltas of the cumulative outputs, then usage (if asked), [DONE]."""
+        """SSE chunks: text deltas of the cumulative outputs, then usage (if asked), [DONE].
+
+        A chunk goes out when an output adds text, finishes the request, or adds tokens whose
+        logprobs were asked for. A chat stream's first chunk names the role, carries the text
+        of the engine's first output (its first token; possibly none) and waits for it, as
+        vLLM's server waits with its role chunk: a client that times the first chunk
+        (`vllm bench serve`) then measures time to first token, not time to acceptance.
+        """
         usage_field = {"usage": None} if job.include_usage else {}
         num_chars = num_tokens = text_offset = 0
         try:
-            if job.chat:
-                first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                         "finish_reason": None}
-                yield _sse({**self._envelope(job, [first], chunk=True), **usage_field})
             final = None
             async for output in job.outputs:
                 completion = output.outputs[0]
                 delta = completion.text[num_chars:]
                 logprobs = self._logprobs(job, output, num_tokens, text_offset)
                 new_tokens = len(completion.token_ids) > num_tokens
-                if delta or output.finished or (logprobs is not None and new_tokens):
-                    choice = self._choice(job, output, delta, logprobs, chunk=True)
+                opening = job.chat and final is None
+                if opening or delta or output.finished or (logprobs is not None and new_tokens):
+                    choice = self._choice(job, output, delta, logprobs, chunk=True, opening=opening)
                     yield _sse({**self._envelope(job, [choice], chunk=True), **usage_field})
                 if logprobs is not None and not job.chat:
                     text_offset += sum(len(s) for s in logprobs["tokens"])
