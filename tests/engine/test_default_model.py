@@ -11,7 +11,7 @@ from tokenweir.engine.core import EngineCore
 from tokenweir.engine.llm import LLM
 from tokenweir.model.loader import load_model
 from tests.core.helpers import assert_no_leaks
-from tests.engine.helpers import num_continued_prefill_chunks, record_schedules
+from tests.engine.helpers import greedy_under_scenario
 from tests.hf_reference import hf_greedy
 
 NUM_NEW = 12
@@ -64,19 +64,9 @@ def hf_reference(default_model, prompt_ids):
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_default_model_greedy_matches_transformers(default_model, prompt_ids, hf_reference, scenario):
     engine = EngineCore(EngineArgs(dtype="float32", device="cpu", **SCENARIOS[scenario]), loaded=default_model)
-    llm = LLM.from_engine(engine)
-    schedules = record_schedules(engine)
-    params = SamplingParams(max_tokens=NUM_NEW, min_tokens=NUM_NEW, temperature=0)
-    outs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
-    for i, (out, expected) in enumerate(zip(outs, hf_reference)):
-        assert out.outputs[0].token_ids == expected, f"prompt {i} differs ({scenario})"
-    stats = llm.get_stats()
-    if scenario == "preempted":
-        assert stats.num_preemptions > 0
-    if scenario == "prefix_hits":
-        assert stats.prefix_cache.hits > 0
-    if scenario == "chunked":
-        assert num_continued_prefill_chunks(schedules) > 0
+    got = greedy_under_scenario(LLM.from_engine(engine), prompt_ids, NUM_NEW, scenario)
+    for i, (tokens, expected) in enumerate(zip(got, hf_reference)):
+        assert tokens == expected, f"prompt {i} differs ({scenario})"
     assert_no_leaks(engine.scheduler)
 
 

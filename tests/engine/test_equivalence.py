@@ -8,8 +8,7 @@ import random
 import pytest
 import torch
 
-from tokenweir import SamplingParams
-from tests.engine.helpers import num_continued_prefill_chunks, record_schedules
+from tests.engine.helpers import greedy_under_scenario
 from tests.hf_reference import hf_greedy
 
 NUM_NEW = 10
@@ -36,21 +35,9 @@ SCENARIOS = {
 
 
 def check_scenario(make_llm, folder, prompts, expected, scenario):
-    llm = make_llm(folder, **SCENARIOS[scenario])
-    schedules = record_schedules(llm.engine)
-    params = SamplingParams(max_tokens=NUM_NEW, min_tokens=NUM_NEW, temperature=0.0)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    got = [o.outputs[0].token_ids for o in outs]
+    got = greedy_under_scenario(make_llm(folder, **SCENARIOS[scenario]), prompts, NUM_NEW, scenario)
     for i, (g, e) in enumerate(zip(got, expected)):
         assert g == e, f"prompt {i} (len {len(prompts[i])}) differs in scenario {scenario}"
-    stats = llm.get_stats()
-    if scenario == "preempted":
-        assert stats.num_preemptions > 0
-    if scenario == "prefix_hits":
-        assert stats.prefix_cache.hits > 0
-    if scenario == "chunked":
-        assert all(o.metrics.num_preemptions == 0 for o in outs)
-        assert num_continued_prefill_chunks(schedules) > 0
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.hf_reference import hf_greedy
-from tests.model.tiny_models import VOCAB_SIZE, write_tiny_gguf
+from tests.model.tiny_models import VOCAB_SIZE, write_stub_gguf, write_tiny_gguf
 from tokenweir.model import gguf_conversion, loader
 
 NUM_NEW = 8
@@ -76,19 +76,13 @@ def test_llama3_gguf_carries_rope_freqs_as_factors(tmp_path, tiny_model_dir):
 
 def test_unsupported_gguf_rope_scaling(tmp_path):
     import gguf
-    import numpy as np
 
-    path = tmp_path / "yarn.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
-    writer.add_rope_scaling_factor(4.0)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def yarn(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+
     with pytest.raises(ValueError, match="unsupported RoPE scaling type 'yarn'"):
-        loader.load_model(str(path))
+        loader.load_model(write_stub_gguf(str(tmp_path / "yarn.gguf"), "llama", yarn))
 
 
 def test_rope_freq_factors_config_key():

@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from tests.model.tiny_models import write_stub_gguf
 from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches
 from tokenweir.model.gguf_conversion import ensure_hf_folder
 from tokenweir.model.loader import (
@@ -193,20 +194,9 @@ def test_folder_without_tokenizer(tmp_path, tiny_model_dir):
         load_model(str(folder))
 
 
-def test_unsupported_gguf_architecture(tmp_path, monkeypatch):
-    import gguf
-    import numpy as np
-
-    monkeypatch.setenv("TOKENWEIR_CACHE_DIR", str(tmp_path / "cache"))
-    path = tmp_path / "tiny.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+def test_unsupported_gguf_architecture(tmp_path):
     with pytest.raises(ValueError, match="'gpt2' is not supported"):
-        load_model(str(path))
+        load_model(write_stub_gguf(str(tmp_path / "tiny.gguf"), "gpt2"))
 
 
 def _cfg(**extra):

@@ -8,7 +8,7 @@ transformers both load; `write_tiny_gguf` writes such a model as llama.cpp would
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -214,8 +214,24 @@ def write_tiny_gguf(folder: str, path: str) -> str:
         name = _gguf_name(hf_name)
         role = name.split(".")[-2]
         writer.add_tensor(name, _interleave_rotary_rows(w, heads[role]) if role in heads else w)
+    _finish_gguf(writer)
+    return path
+
+
+def _finish_gguf(writer: Any) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def write_stub_gguf(path: str, arch: str, add_metadata: Callable[[Any], None] = lambda writer: None) -> str:
+    """A GGUF holding metadata and one small tensor: enough for the loader to read and refuse it."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(path, arch)
+    add_metadata(writer)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    _finish_gguf(writer)
     return path
