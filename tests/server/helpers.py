@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
+import pytest
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,3 +35,15 @@ def scrape(url: str) -> dict[tuple[str, frozenset], float]:
 
 def value(samples: dict[tuple[str, frozenset], float], name: str, **labels: str) -> float:
     return samples.get((name, frozenset({"model_name": MODEL, **labels}.items())), 0.0)
+
+
+def slow_down_steps(core: Any, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Make every step of `core` (an EngineCore) take at least `seconds` longer, so that a test
+    can act while a request runs or read each output before the next one comes."""
+    step = core.step
+
+    def slow_step():
+        time.sleep(seconds)
+        return step()
+
+    monkeypatch.setattr(core, "step", slow_step)

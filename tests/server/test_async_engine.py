@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import httpx
 import pytest
 
 from tests.server.conftest import MAX_MODEL_LEN, assert_engine_clean, make_engine
+from tests.server.helpers import slow_down_steps
 from tokenweir.engine.async_engine import EngineDeadError, RequestFailedError
 from tokenweir.request import SamplingParams
 
@@ -28,13 +28,7 @@ async def collect(engine, request_id, prompt, params=GREEDY, **kwargs):
 def test_generate_streams_cumulative_outputs(clean, monkeypatch):
     # Steps of >= 20 ms give the consumer time to read each output before the next: a stream
     # hands over only its newest output, so a consumer slower than the engine reads merged ones.
-    step = clean.core.step
-
-    def slow_step():
-        time.sleep(0.02)
-        return step()
-
-    monkeypatch.setattr(clean.core, "step", slow_step)
+    slow_down_steps(clean.core, monkeypatch, 0.02)
     outputs = asyncio.run(collect(clean, "stream", [5, 6, 7]))
     token_counts = [len(o.outputs[0].token_ids) for o in outputs]
     # Outputs arrive one step at a time, each with more tokens than the one before.

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
 from tests.server.conftest import assert_engine_clean, wait_until
-from tests.server.helpers import MODEL, async_client, post, scrape, value
+from tests.server.helpers import MODEL, async_client, post, scrape, slow_down_steps, value
 
 WORDS = "the a of to in is it you that he was for on are with as his they be at one have this".split()
 
@@ -74,13 +73,7 @@ def test_429_past_the_waiting_limit(make_server, engine, gate):
 @pytest.fixture
 def slow_steps(engine, monkeypatch):
     """Steps of >= 10 ms, so that a long request is still running when its client leaves."""
-    step = engine.core.step
-
-    def slow_step():
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(engine.core, "step", slow_step)
+    slow_down_steps(engine.core, monkeypatch, 0.01)
 
 
 LONG_RUN = 200  # tokens: >= 2 s at >= 10 ms a step, far longer than noticing a disconnect takes

@@ -6,12 +6,11 @@ import asyncio
 import logging
 import math
 import re
-import time
 
 import pytest
 
 from tests.server.conftest import BLOCK_SIZE, wait_until
-from tests.server.helpers import MODEL, client, scrape, value
+from tests.server.helpers import MODEL, client, scrape, slow_down_steps, value
 from tokenweir.config import EngineArgs
 from tokenweir.core.kv_cache_manager import PrefixCacheStats
 from tokenweir.core.scheduler import SchedulerStats
@@ -128,13 +127,7 @@ def test_engine_logs_stats_lines_for_a_known_workload(tiny_model_dir, caplog, mo
     args = EngineArgs(model=tiny_model_dir("llama"), dtype="float32", device="cpu", num_gpu_blocks_override=64,
                       block_size=BLOCK_SIZE, max_num_seqs=2, served_model_name=MODEL)
     engine = AsyncLLMEngine(EngineCore(args), log_stats=True, stats_interval_s=0.02)
-    step = engine.core.step
-
-    def slow_step():
-        time.sleep(0.03)
-        return step()
-
-    monkeypatch.setattr(engine.core, "step", slow_step)
+    slow_down_steps(engine.core, monkeypatch, 0.03)
     shared = list(range(5, 5 + 2 * BLOCK_SIZE))
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
