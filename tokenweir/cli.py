@@ -26,7 +26,7 @@ _HELP = {
     "preemption_mode": "recompute",
     "watermark": "fraction of KV blocks kept free when admitting new requests",
     "swap_space": "GiB of host memory for swap preemption",
-    "num_gpu_blocks_override": "number of KV blocks (overrides kv_cache_memory)",
+    "num_gpu_blocks_override": "number of KV blocks (instead of --kv-cache-memory)",
     "kv_cache_memory": "KV cache size, e.g. 2GiB (CPU default 2GiB)",
     "disable_log_stats": "do not log periodic engine stats",
 }

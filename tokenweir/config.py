@@ -6,11 +6,11 @@ model (max_model_len) and checks that the knobs agree with each other. No torch 
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, fields
 from typing import Optional, Union
 
+from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.core.queues import POLICIES
 
 PREEMPTION_MODES = ("recompute",)  # swap arrives with its own issue; SchedulerOutput has the seam
@@ -35,12 +35,8 @@ def parse_size(value: Union[int, float, str]) -> int:
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_integer(value) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -86,13 +82,13 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
         _check_int("num_blocks", self.num_blocks, 0)
-        if not _is_number(self.watermark) or not 0.0 <= self.watermark < 1.0:
+        if not is_finite_number(self.watermark) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(
                 f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r} "
                 "(swap preemption is not implemented yet)")
-        if not _is_number(self.swap_space) or self.swap_space < 0:
+        if not is_finite_number(self.swap_space) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}")
         if self.swap_space and self.preemption_mode == "recompute":
             raise ValueError(
@@ -140,8 +136,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         # The scheduler core takes any block size; the model's KV cache stores keys and values
         # in pairs (attention.py), so the engine needs an even one.
-        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
-                or self.block_size < 2 or self.block_size % 2:
+        if not is_integer(self.block_size) or self.block_size < 2 or self.block_size % 2:
             raise ValueError(f"block_size must be a positive even number of tokens, got {self.block_size!r}")
         if self.num_gpu_blocks_override is not None:
             _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
@@ -149,6 +144,8 @@ class EngineArgs:
                 raise ValueError(
                     f"num_gpu_blocks_override ({self.num_gpu_blocks_override}) and kv_cache_memory "
                     f"({self.kv_cache_memory!r}) both size the KV pool; set only one of them")
+        # Check every knob the model does not decide now, before a model is loaded for nothing.
+        self._scheduler_and_cache_configs(self.max_model_len, num_blocks=0)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -170,12 +167,16 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) is larger than the KV cache can hold ({num_blocks} "
                 f"blocks x {self.block_size} = {capacity} tokens); raise kv_cache_memory / "
                 "num_gpu_blocks_override or lower max_model_len")
+        model = ModelConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
+                            served_model_name=self.served_model_name)
+        return (model, *self._scheduler_and_cache_configs(max_model_len, num_blocks))
+
+    def _scheduler_and_cache_configs(self, max_model_len: Optional[int],
+                                     num_blocks: int) -> tuple[CacheConfig, SchedulerConfig]:
         if self.max_num_batched_tokens is not None:
             budget = self.max_num_batched_tokens
         else:
-            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
-        model = ModelConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
-                            served_model_name=self.served_model_name)
+            budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len or 0)
         cache = CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                             enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark,
                             preemption_mode=self.preemption_mode, swap_space=self.swap_space)
@@ -183,7 +184,7 @@ class EngineArgs:
                                     max_model_len=max_model_len, policy=self.scheduling_policy,
                                     enable_chunked_prefill=self.enable_chunked_prefill,
                                     long_prefill_token_threshold=self.long_prefill_token_threshold)
-        return model, cache, scheduler
+        return cache, scheduler
 
     def kv_cache_bytes(self) -> Optional[int]:
         return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)

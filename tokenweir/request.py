@@ -6,9 +6,10 @@ No torch here: the scheduler, the simulator and the router import this module.
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
+
+from tokenweir.checks import is_finite_number, is_integer
 
 
 class RequestStatus(enum.IntEnum):
@@ -80,19 +81,14 @@ class SamplingParams:
             self.stop = list(self.stop)
         else:
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, (list, tuple, type(None))):
-            raise ValueError(
-                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        elif self.stop_token_ids is None:
+            self.stop_token_ids = []
         self._validate()
 
     def _validate(self) -> None:
-        def is_int(x: object) -> bool:
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_num(x: object) -> bool:
-            return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
+        is_int, is_num = is_integer, is_finite_number
         if self.n != 1:
             raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
@@ -113,7 +109,7 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):

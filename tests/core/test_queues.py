@@ -11,8 +11,7 @@ from tokenweir.request import Request
 def drain(queue) -> list[str]:
     out = []
     while len(queue):
-        assert queue.peek() is (r := queue.pop())
-        out.append(r.request_id)
+        out.append(queue.pop().request_id)
     return out
 
 

@@ -12,6 +12,7 @@ from tokenweir.request import Request, RequestStatus, SamplingParams
     (dict(temperature=-0.1), "temperature must be a number >= 0"),
     (dict(temperature=float("nan")), "temperature must be a number >= 0"),
     (dict(temperature=float("inf")), "temperature must be a number >= 0"),
+    (dict(temperature=10**400), "temperature must be a number >= 0"),  # no float holds it
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-2), "top_k must be -1 or 0"),
@@ -67,6 +68,9 @@ def test_chunking_off_needs_a_budget_of_max_model_len():
     (lambda: EngineArgs(num_gpu_blocks_override=64, kv_cache_memory="1GiB"),
      r"num_gpu_blocks_override \(64\) and kv_cache_memory \('1GiB'\) both size the KV pool"),
     (lambda: EngineArgs(num_gpu_blocks_override=0), "num_gpu_blocks_override must be an integer >= 1"),
+    # Checked when the arguments are made, before any model is loaded.
+    (lambda: EngineArgs(swap_space=4), r"swap_space \(4 GiB\) would never be used"),
+    (lambda: EngineArgs(max_num_seqs=0), "max_num_seqs must be an integer >= 1, got 0"),
 ])
 def test_config_errors_name_the_setting(make, message):
     with pytest.raises(ValueError, match=message):

@@ -92,6 +92,6 @@ def test_rope_freq_factors_config_key():
     )  # head_dim 4: two rotary pairs
     arch = loader.arch_from_hf_config({**base, gguf_conversion.ROPE_FREQ_FACTORS_KEY: [1, 2.5]})
     assert arch.rope_freq_factors == (1.0, 2.5)
-    for bad in ([1.0], [1.0, 0.0], "1 2"):
+    for bad in ([1.0], [1.0, 0.0], [1.0, True], [1.0, float("inf")], "1 2"):
         with pytest.raises(ValueError, match="must list 2 positive numbers"):
             loader.arch_from_hf_config({**base, gguf_conversion.ROPE_FREQ_FACTORS_KEY: bad})

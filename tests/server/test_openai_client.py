@@ -74,8 +74,10 @@ def test_chat_streamed_and_not(server, engine):
 def test_chat_stream_opens_with_the_first_token(server, engine, gate):
     # The role chunk waits for the engine's first output, so a client timing the first chunk
     # measures time to first token. The engine is held before its first step here.
+    # With logprobs every token gets its own chunk, so the opening chunk must carry exactly the
+    # first token's: proof that does not depend on timing.
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True, "ignore_eos": True,
-            **SEEDED}
+            "logprobs": True, **SEEDED}
     events: list[dict] = []
 
     def read() -> None:
@@ -91,10 +93,9 @@ def test_chat_stream_opens_with_the_first_token(server, engine, gate):
         assert events == []
         gate.set()
         done.result()
-    deltas = [e["choices"][0]["delta"] for e in events if e["choices"]]
-    assert deltas[0]["role"] == "assistant" and all("role" not in d for d in deltas[1:])
-    # Each chunk, the opening one included, brings at least one of the 4 tokens.
-    assert len(deltas) <= 4
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert choices[0]["delta"]["role"] == "assistant" and all("role" not in c["delta"] for c in choices[1:])
+    assert [len(c["logprobs"]["content"]) for c in choices] == [1, 1, 1, 1]
 
 
 def test_stop_string_cuts_the_text(server):

@@ -29,9 +29,6 @@ class RequestQueue(ABC):
         popped but could not be admitted this step."""
 
     @abstractmethod
-    def peek(self) -> Request: ...
-
-    @abstractmethod
     def pop(self) -> Request: ...
 
     @abstractmethod
@@ -54,9 +51,6 @@ class FCFSQueue(RequestQueue):
 
     def push_front(self, request: Request) -> None:
         self._queue.appendleft(request)
-
-    def peek(self) -> Request:
-        return self._queue[0]
 
     def pop(self) -> Request:
         return self._queue.popleft()
@@ -84,9 +78,6 @@ class KeyedQueue(RequestQueue):
         heapq.heappush(self._heap, (self._key(request), next(self._counter), request))
 
     push_front = add  # the key alone decides the order
-
-    def peek(self) -> Request:
-        return self._heap[0][2]
 
     def pop(self) -> Request:
         return heapq.heappop(self._heap)[2]

@@ -200,13 +200,17 @@ class Scheduler:
         return self._make_output(step)
 
     def _try_admit(self, request: Request, step: _StepState, now: float) -> bool:
-        """Admit a waiting request and schedule its first chunk, or change nothing for it."""
-        if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(request, step):
-            return False
+        """Admit a waiting request and schedule its first chunk; False if it cannot run now.
+
+        A victim preempted for its sequence slot stays preempted even if the request then finds
+        too few blocks; the checks that need no preemption come first to make that rare.
+        """
         hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit
         if not self.config.enable_chunked_prefill and num_new > step.budget:
             return False  # the whole prompt must go in one step: keep strict order, wait for room
+        if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(request, step):
+            return False
         num_new = self._cap_tokens(num_new, step.budget)
         blocks = self._allocate_or_preempt(request, num_new, step, admitting=True,
                                            hits=hits, num_hit=num_hit)

@@ -49,6 +49,9 @@ class EngineCore:
             keep_freed_memory()
         self.tokenizer = self.loaded.tokenizer
         arch = self.loaded.arch
+        # Models such as Llama 3 Instruct end a turn with more than one token: the ids that
+        # generation_config adds to the primary EOS stop requests as stop token ids (as in vLLM).
+        self._extra_eos_ids = [t for t in arch.eos_token_ids if t != arch.eos_token_id]
         num_blocks = _num_kv_blocks(args, self.loaded)
         self.model_config, self.cache_config, self.scheduler_config = args.create_engine_configs(
             arch.max_model_len, num_blocks)
@@ -107,12 +110,11 @@ class EngineCore:
         return request
 
     def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
-        """Models such as Llama 3 Instruct end a turn with more than one token: the ids that
-        generation_config adds to the primary EOS stop a request as stop token ids (vLLM does
-        the same), unless it ignores EOS."""
-        extra = [t for t in self.loaded.arch.eos_token_ids
-                 if t != self.loaded.arch.eos_token_id and t not in params.stop_token_ids]
-        if not extra or params.ignore_eos:
+        """`params` with the model's extra EOS ids among its stop ids, unless it ignores EOS."""
+        if not self._extra_eos_ids or params.ignore_eos:
+            return params
+        extra = [t for t in self._extra_eos_ids if t not in params.stop_token_ids]
+        if not extra:
             return params
         return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
 

@@ -137,8 +137,6 @@ def _write_hf_folder(gguf_path: str, reader: Any, gguf_arch: str, rope: _GgufRop
     from transformers import AutoConfig, AutoTokenizer
 
     directory, name = os.path.split(gguf_path)
-    # transformers reads the metadata and the tokenizer (the parts with many special cases);
-    # the tensors are dequantized here, which is several times faster than its loader.
     config = AutoConfig.from_pretrained(directory, gguf_file=name)
     config.architectures = [_GGUF_ARCHITECTURES.get(config.model_type, _GGUF_ARCHITECTURES[gguf_arch])]
     rope.apply(config)

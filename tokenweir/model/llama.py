@@ -204,17 +204,12 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up; raise on missing or unknown names."""
+        """Copy HF-named weights in, fusing q/k/v and gate/up. The loader has checked the names
+        and shapes against the config (loader._check_weights); extra entries are not read."""
         if self.lm_head_linear is not None:
             raise RuntimeError("the weights are already loaded (they may have been repacked)")
         arch = self.arch
-        used: set[str] = set()
-
-        def take(name: str) -> torch.Tensor:
-            if name not in state_dict:
-                raise ValueError(f"weight {name!r} is missing from the checkpoint")
-            used.add(name)
-            return state_dict[name]
+        take = state_dict.__getitem__
 
         self.embed_tokens.copy_(take("model.embed_tokens.weight"))
         self.norm.copy_(take("model.norm.weight"))
@@ -233,14 +228,6 @@ class LlamaForCausalLM(nn.Module):
                 layer.o_bias.copy_(take(p + "self_attn.o_proj.bias"))
             layer.gate_up_weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
             layer.down_weight.copy_(take(p + "mlp.down_proj.weight"))
-
-        # Tied checkpoints may still carry lm_head.weight; old ones carry the RoPE table.
-        ignorable = {"lm_head.weight"} if arch.tie_word_embeddings else set()
-        unknown = [
-            n for n in state_dict if n not in used and n not in ignorable and not n.endswith("rotary_emb.inv_freq")
-        ]
-        if unknown:
-            raise ValueError(f"unexpected weights in the checkpoint: {sorted(unknown)[:8]}")
         for layer in self.layers:
             layer.finalize_weights()
         self.lm_head_linear = Linear(self.lm_head)

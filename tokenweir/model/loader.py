@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from tokenweir.checks import is_finite_number
 from tokenweir.model.gguf_conversion import ROPE_FREQ_FACTORS_KEY, ensure_hf_folder
 from tokenweir.model.llama import LlamaForCausalLM, ModelArchConfig
 
@@ -135,7 +136,7 @@ def _rope_freq_factors(cfg: dict[str, Any], head_dim: int, source: str) -> tuple
     if not (
         isinstance(factors, list)
         and len(factors) == pairs
-        and all(isinstance(f, (int, float)) and f > 0 for f in factors)
+        and all(is_finite_number(f) and f > 0 for f in factors)
     ):
         raise ValueError(f"{source}: {ROPE_FREQ_FACTORS_KEY} must list {pairs} positive numbers (one per rotary pair)")
     return tuple(float(f) for f in factors)

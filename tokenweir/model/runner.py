@@ -48,6 +48,10 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, loaded.dtype, loaded.device)
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
+        # Seeded requests' generators, kept from first admission to finish: a preempted request
+        # resumes its random stream where it stopped, so a seed gives the same text however
+        # often the request is preempted.
+        self.generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)  # unseeded sampling draws from the global generator
 
     def _add_request(self, new: NewRequestData) -> None:
@@ -56,19 +60,20 @@ class ModelRunner:
         if params.seed is not None:
             # A private generator per request: the same seed gives the same text whatever else
             # shares the batch.
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
-            # Resumed after a preemption: skip the draws its earlier tokens used (one each, see
-            # sampler._draw), so a seed gives the same text however often the request is preempted.
-            for _ in range(len(new.token_ids) - new.num_prompt_tokens):
-                torch.rand(1, generator=generator, device=self.device)
+            generator = self.generators.get(new.request_id)
+            if generator is None:
+                generator = torch.Generator(device=self.device).manual_seed(params.seed)
+                self.generators[new.request_id] = generator
         banned = list(params.stop_token_ids)
         if not params.ignore_eos:
-            banned += list(self.arch.eos_token_ids)
+            banned += [t for t in self.arch.eos_token_ids if t not in banned]
         self.requests[new.request_id] = _RequestState(
             list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.num_computed_tokens,
             params, generator, banned)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in out.finished_req_ids:
+            self.generators.pop(rid, None)
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.requests.pop(rid, None)
         for new in out.scheduled_new_reqs:
