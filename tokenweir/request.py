@@ -49,6 +49,10 @@ _FINISH_REASONS = {
 }
 
 
+# Integer knobs end up in int64 tensors (top_k, stop ids) or a 64-bit generator seed.
+_INT64_LIMIT = 2**63
+
+
 @dataclass
 class SamplingParams:
     """How to sample one request's output. Validated on construction (precise ValueErrors).
@@ -103,20 +107,21 @@ class SamplingParams:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
+        if not is_int(self.top_k) or not -1 <= self.top_k < _INT64_LIMIT:
+            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer below 2**63, got {self.top_k!r}")
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, list) or not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
+        if not isinstance(self.stop_token_ids, list) or not all(
+                is_int(t) and 0 <= t < _INT64_LIMIT for t in self.stop_token_ids):
             raise ValueError(
                 f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.seed is not None and not is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not is_int(self.seed) or not -_INT64_LIMIT <= self.seed < 2 * _INT64_LIMIT):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
 

@@ -24,6 +24,9 @@ from tokenweir.request import Request, RequestStatus, SamplingParams
     (dict(skip_special_tokens=1), "skip_special_tokens must be true or false"),
     (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of non-negative integers"),
     (dict(seed="x"), "seed must be an integer"),
+    (dict(seed=2**64), r"seed must be an integer in \[-2\*\*63, 2\*\*64\)"),
+    (dict(top_k=2**70), "top_k must be -1 or 0 .* below 2\\*\\*63"),
+    (dict(stop_token_ids=[2**63]), "stop_token_ids must be a list of non-negative integers"),
     (dict(logprobs=21), r"logprobs must be an integer in \[0, 20\]"),
     (dict(n=2), "n must be 1"),
 ])

@@ -231,3 +231,55 @@ def test_engine_logs_kv_blocks_and_max_concurrency(make_llm, tiny_model_dir, cap
         make_llm(tiny_model_dir("llama"), num_gpu_blocks_override=96, block_size=16, max_model_len=256)
     assert ("KV cache: 96 blocks of 16 tokens = 1536 tokens; maximum concurrency for 256 tokens "
             "per request: 6.00x") in caplog.text
+
+
+def test_a_stop_string_on_the_last_allowed_token_reports_stop(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
+    # The first token of the output whose text is a word not seen before it completes the stop
+    # string; max_tokens ends the request on that very token.
+    free = llm.generate("hello world", SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0]
+    pieces = [llm.get_tokenizer().decode([t]).strip() for t in free.token_ids]
+    n = next(i + 1 for i, piece in enumerate(pieces) if piece and i > 0 and piece not in "".join(pieces[:i]))
+    stop = pieces[n - 1]
+    out = llm.generate("hello world", SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == free.token_ids[:n] and stop not in out.text
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+
+
+def test_a_failed_step_leaves_nothing_behind(make_llm, tiny_model_dir, monkeypatch):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(["one two", "you and him"], params, use_tqdm=False)]
+    runner = llm.engine.runner
+    execute = runner.execute_model
+    calls = []
+
+    def fail_on_the_third_step(out):
+        calls.append(out)
+        if len(calls) == 3:
+            execute(out)  # the runner's state moves on, the scheduler's does not
+            raise KeyboardInterrupt
+        return execute(out)
+
+    monkeypatch.setattr(runner, "execute_model", fail_on_the_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["one two", "you and him"], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    got = [o.outputs[0].token_ids for o in llm.generate(["one two", "you and him"], params, use_tqdm=False)]
+    assert got == expected
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(priority=[0, "x"]), "priority must be an integer, got 'x'"),
+    (dict(priority=[0, None]), "priority must be an integer, got None"),
+    (dict(sampling_params=SamplingParams(stop_token_ids=[5000])),
+     r"stop_token_ids must be token ids below the vocabulary size \(256\)"),
+])
+def test_bad_request_arguments_leave_nothing_behind(make_llm, tiny_model_dir, kwargs, message):
+    llm = make_llm(tiny_model_dir("llama"), scheduling_policy="priority", **KV)
+    kwargs.setdefault("sampling_params", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["one", "two"], use_tqdm=False, **kwargs)
+    assert not llm.engine.has_unfinished_requests()

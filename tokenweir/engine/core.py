@@ -9,6 +9,7 @@ from typing import Optional, Union
 
 import torch
 
+from tokenweir.checks import is_integer
 from tokenweir.config import EngineArgs
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tokenweir.engine.cpu_allocator import keep_freed_memory
@@ -95,8 +96,14 @@ class EngineCore:
         """Validate and queue a request; raises ValueError with a precise message on bad input."""
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if not is_integer(priority):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
+        vocab = self.loaded.arch.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids below the vocabulary size ({vocab}), "
+                             f"got {params.stop_token_ids}")
         params = self._with_extra_eos(params)
         request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
                           arrival_time=time.time() if arrival_time is None else arrival_time,
@@ -149,6 +156,11 @@ class EngineCore:
                 self._failed[rid] = e
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED, now)
+            for rid in stopped:
+                # The token that completed the stop string also hit max_tokens / max_model_len:
+                # the request ended by length in the scheduler, but the stop string is why its
+                # text ends where it does (vLLM reports "stop" too).
+                self.states[rid].request.status = RequestStatus.FINISHED_STOPPED
         if self._failed:
             self.scheduler.abort_requests(list(self._failed), now)
         outputs = []

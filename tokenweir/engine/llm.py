@@ -89,23 +89,28 @@ class LLM:
         try:
             for rid, (text, prompt), p, prio in zip(ids, prompts, params, priorities):
                 engine.add_request(rid, prompt, p, priority=prio, prompt_text=text)
-        except ValueError:
-            engine.abort_requests(ids)  # nothing half-submitted stays behind
+            finished = self._run_to_completion(ids, use_tqdm)
+        except BaseException:
+            # A bad input, a failed step or Ctrl-C: none of this call's requests stays behind
+            # (their blocks are freed; the runner drops their state at the next step).
+            engine.abort_requests(ids)
             raise
+        return [finished[rid] for rid in ids]
 
+    def _run_to_completion(self, ids: list[str], use_tqdm: bool) -> dict[str, RequestOutput]:
+        engine = self.engine
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=n, desc="Processed prompts", disable=not use_tqdm) as bar:
-            while len(finished) < n:
+        with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(finished) < len(ids):
                 for output in engine.step():
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
                 failed = engine.take_failed_requests()
                 if failed:
-                    engine.abort_requests(ids)
                     rid, error = next(iter(failed.items()))
                     raise RuntimeError(f"processing the output of request {rid} failed: {error!r}") from error
-        return [finished[rid] for rid in ids]
+        return finished
 
     def get_stats(self) -> SchedulerStats:
         return self.engine.get_stats()
