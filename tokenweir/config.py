@@ -39,6 +39,12 @@ def _check_int(name: str, value: object, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
+def _check_bool(name: str, value: object) -> None:
+    # "false" or "no" would be truthy: a switch must be a real bool.
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+
+
 @dataclass
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
@@ -56,6 +62,7 @@ class SchedulerConfig:
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
@@ -82,6 +89,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
         _check_int("num_blocks", self.num_blocks, 0)
+        _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if not is_finite_number(self.watermark) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
@@ -136,6 +144,7 @@ class EngineArgs:
     def __post_init__(self) -> None:
         # The scheduler core takes any block size; the model's KV cache stores keys and values
         # in pairs (attention.py), so the engine needs an even one.
+        _check_bool("disable_log_stats", self.disable_log_stats)
         if not is_integer(self.block_size) or self.block_size < 2 or self.block_size % 2:
             raise ValueError(f"block_size must be a positive even number of tokens, got {self.block_size!r}")
         if self.num_gpu_blocks_override is not None:

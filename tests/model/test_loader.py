@@ -3,11 +3,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.model.tiny_models import write_stub_gguf
+from tests.model.tiny_models import write_stub_gguf, write_tiny_gguf
 from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches
 from tokenweir.model.gguf_conversion import ensure_hf_folder
 from tokenweir.model.loader import (
@@ -150,6 +151,47 @@ def test_config_missing_or_bad_keys(tmp_path, tiny_model_dir):
     _rewrite_config(folder, hidden_size="64", num_hidden_layers=0)
     with pytest.raises(ValueError, match="expected positive integers: hidden_size='64', num_hidden_layers=0$"):
         load_model(str(folder))
+
+
+@pytest.mark.parametrize("updates, message", [
+    (dict(max_position_embeddings="abc"), "expected positive integers: max_position_embeddings='abc'$"),
+    (dict(num_key_value_heads=0), "expected positive integers: num_key_value_heads=0$"),
+    (dict(rms_norm_eps="small"), "rms_norm_eps must be a positive number, got 'small'$"),
+    (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported; supported: silu, swish$"),
+])
+def test_config_values_are_checked(tmp_path, tiny_model_dir, updates, message):
+    folder = _copy(tmp_path, tiny_model_dir)
+    _rewrite_config(folder, **updates)
+    with pytest.raises(ValueError, match="m/config.json: " + message):
+        load_model(str(folder))
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_unreadable_weights_name_the_file(tmp_path, tiny_model_dir, damage):
+    folder = _copy(tmp_path, tiny_model_dir)
+    weights = folder / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(b"\xff" * 64 if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"{weights}: not a readable safetensors file"):
+        load_model(str(folder), dtype="float32", device="cpu")
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_unreadable_gguf_names_the_file(tmp_path, tiny_model_dir, monkeypatch, damage):
+    from tokenweir.model import gguf_conversion
+
+    monkeypatch.setattr(gguf_conversion, "cache_root", lambda: tmp_path / "cache")
+    path = tmp_path / "m.gguf"
+    data = Path(write_tiny_gguf(tiny_model_dir("llama"), str(path))).read_bytes()
+    path.write_bytes(b"GGUF" + b"\xff" * 60 if damage == "garbage" else data[: len(data) // 2])
+    with pytest.raises(ValueError, match=f"{path}: not a readable GGUF file"):
+        load_model(str(path))
+
+
+@pytest.mark.parametrize("device", ["foo", "tpu", "cuda:x"])
+def test_bad_device(tiny_model_dir, device):
+    with pytest.raises(ValueError, match="device must be 'auto', 'cpu', 'cuda' or 'cuda:N'"):
+        load_model(tiny_model_dir("llama"), device=device)
 
 
 @pytest.mark.parametrize(

@@ -158,7 +158,10 @@ def ensure_hf_folder(gguf_path: str) -> str:
 
     from gguf import GGUFReader
 
-    reader = GGUFReader(gguf_path)
+    try:
+        reader = GGUFReader(gguf_path)
+    except Exception as e:  # gguf raises ValueError, numpy errors, ... on a corrupt or short file
+        raise ValueError(f"{gguf_path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
     gguf_arch = _gguf_architecture(reader, gguf_path)
     rope = _gguf_rope(reader, gguf_arch, gguf_path)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -4,16 +4,17 @@ naming what is wrong."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
-from tokenweir.checks import is_finite_number
+from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.model.gguf_conversion import ROPE_FREQ_FACTORS_KEY, ensure_hf_folder
 from tokenweir.model.llama import LlamaForCausalLM, ModelArchConfig
 
@@ -21,6 +22,10 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCa
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # config.json keys with no sensible default: without one the config describes no model.
 _REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+# Sizes config.json may leave out (defaults apply), but which must be positive integers if given.
+_OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+# The decoder's MLP is SwiGLU: SiLU is the only activation it computes.
+_SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # Any of these gives AutoTokenizer a vocabulary (tokenizer_config.json alone does not).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -66,7 +71,15 @@ def default_model_path() -> str:
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     if str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA device")
+    return dev
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -118,14 +131,20 @@ def _rope_settings(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, A
     return float(theta), {"rope_type": rope_type, **{k: scaling[k] for k in needed}}
 
 
-def _check_required_keys(cfg: dict[str, Any], source: str) -> None:
+def _check_config_values(cfg: dict[str, Any], source: str) -> None:
     missing = [k for k in _REQUIRED_CONFIG_KEYS if cfg.get(k) is None]
     if missing:
         raise ValueError(f"{source}: missing required key(s): {', '.join(missing)}")
-    # bool is an int subclass, but `true` is no size
-    bad = [f"{k}={cfg[k]!r}" for k in _REQUIRED_CONFIG_KEYS if type(cfg[k]) is not int or cfg[k] <= 0]
+    sizes = [*_REQUIRED_CONFIG_KEYS, *(k for k in _OPTIONAL_SIZE_KEYS if cfg.get(k) is not None)]
+    bad = [f"{k}={cfg[k]!r}" for k in sizes if not is_integer(cfg[k]) or cfg[k] <= 0]
     if bad:
         raise ValueError(f"{source}: expected positive integers: {', '.join(bad)}")
+    eps = cfg.get("rms_norm_eps", 1e-6)
+    if not is_finite_number(eps) or eps <= 0:
+        raise ValueError(f"{source}: rms_norm_eps must be a positive number, got {eps!r}")
+    act = cfg.get("hidden_act", "silu")
+    if act not in _SUPPORTED_ACTIVATIONS:
+        raise ValueError(f"{source}: hidden_act {act!r} is not supported; supported: {', '.join(_SUPPORTED_ACTIVATIONS)}")
 
 
 def _rope_freq_factors(cfg: dict[str, Any], head_dim: int, source: str) -> tuple[float, ...] | None:
@@ -159,11 +178,11 @@ def arch_from_hf_config(
             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     architecture = supported[0]
-    _check_required_keys(cfg, source)
+    _check_config_values(cfg, source)
     theta, scaling = _rope_settings(cfg, source)
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    head_dim = cfg.get("head_dim") or hidden // heads
     if cfg.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=true is not supported")
     is_qwen2 = architecture == "Qwen2ForCausalLM"
@@ -183,18 +202,18 @@ def arch_from_hf_config(
         intermediate_size=cfg["intermediate_size"],
         num_hidden_layers=cfg["num_hidden_layers"],
         num_attention_heads=heads,
-        num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+        num_key_value_heads=cfg.get("num_key_value_heads") or heads,
         head_dim=head_dim,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        max_position_embeddings=cfg.get("max_position_embeddings") or 2048,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bias,
         o_proj_bias=bias and not is_qwen2,
         eos_token_ids=tuple(eos),
         bos_token_id=cfg.get("bos_token_id"),
-        sliding_window=int(window) if window else None,
+        sliding_window=window or None,
         rope_freq_factors=_rope_freq_factors(cfg, head_dim, source),
     )
 
@@ -249,13 +268,24 @@ def _expected_weight_shapes(arch: ModelArchConfig) -> dict[str, tuple[int, ...]]
     return shapes
 
 
-def _weight_shapes(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """name -> (file, shape) from the safetensors headers, reading no tensor data."""
+@contextlib.contextmanager
+def _safetensors(file: Path) -> Iterator[Any]:
+    """An open safetensors file; a corrupt or truncated one is a ValueError naming it."""
     from safetensors import safe_open
 
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            yield f
+    except Exception as e:  # SafetensorError, or torch failing on a short tensor
+        first_line = str(e).strip().partition("\n")[0]
+        raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {first_line})") from e
+
+
+def _weight_shapes(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """name -> (file, shape) from the safetensors headers, reading no tensor data."""
     found = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with _safetensors(file) as f:
             for key in f.keys():
                 found[key] = (file, tuple(f.get_slice(key).get_shape()))
     return found
@@ -328,11 +358,9 @@ def load_model(
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
-    from safetensors import safe_open
-
     state: dict[str, torch.Tensor] = {}
     for file in weight_files:
-        with safe_open(str(file), framework="pt") as f:
+        with _safetensors(file) as f:
             for key in f.keys():
                 state[key] = f.get_tensor(key).to(torch_dtype)
     net = LlamaForCausalLM(arch, torch_dtype, dev)
