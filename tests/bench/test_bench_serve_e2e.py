@@ -30,13 +30,16 @@ class FakeServer:
     received: list[dict] = field(default_factory=list)
     in_flight: int = 0
     peak_in_flight: int = 0
+    api_key: str = "secret"
 
 
 def make_app(state: FakeServer) -> FastAPI:
     app = FastAPI()
 
     @app.get("/v1/models")
-    async def models() -> dict:
+    async def models(request: Request):
+        if request.headers.get("authorization") != f"Bearer {state.api_key}":
+            return JSONResponse({"error": {"message": "bad key"}}, status_code=401)
         return {"object": "list", "data": [{"id": "tiny-model", "object": "model"}]}
 
     @app.post("/v1/completions")
@@ -92,7 +95,7 @@ def server() -> Iterator[FakeServer]:
 def run_bench(*argv: str) -> dict:
     parser = argparse.ArgumentParser()
     add_cli_args(parser)
-    return main(parser.parse_args(list(argv)))
+    return main(parser.parse_args(["--api-key", "secret", *argv]))
 
 
 def test_bench_serve_end_to_end(server, tmp_path):
@@ -100,7 +103,7 @@ def test_bench_serve_end_to_end(server, tmp_path):
         "--base-url", server.url, "--num-prompts", "8", "--request-rate", "100",
         "--max-concurrency", "4", "--random-input-len", "16", "--random-output-len", "5",
         "--random-range-ratio", "0.5", "--seed", "1", "--goodput", "ttft:60000",
-        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "out.json",
+        "--save-result", "--result-dir", str(tmp_path), "--result-filename", "out.json", "--ignore-eos",
     )
 
     assert len(server.received) == 8
@@ -149,3 +152,30 @@ def test_max_concurrency_caps_requests_in_flight(server, limit):
         assert server.peak_in_flight > 4
     else:
         assert server.peak_in_flight == limit
+
+
+def test_ignore_eos_is_off_by_default(server):
+    # As in vLLM: the field is not OpenAI's, and servers such as `transformers serve` reject it.
+    run_bench("--base-url", server.url, "--num-prompts", "2", "--random-input-len", "4",
+              "--random-output-len", "2")
+    assert len(server.received) == 2 and not any("ignore_eos" in b for b in server.received)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--api-key", "wrong"], r"/v1/models answered HTTP 401: .*check --api-key"),
+    (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),
+    (["--max-concurrency", "0"], "--max-concurrency must be >= 1"),
+])
+def test_bad_arguments_are_one_line_errors(server, argv, message):
+    with pytest.raises(ValueError, match=message):
+        run_bench("--base-url", server.url, "--num-prompts", "2", *argv)
+    assert server.received == []
+
+
+def test_unreachable_server_is_a_one_line_error():
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))  # a port nobody listens on
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(ValueError, match=f"cannot reach {url}/v1/models"):
+        run_bench("--base-url", url, "--num-prompts", "1")
+    sock.close()

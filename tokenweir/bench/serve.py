@@ -66,8 +66,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="gamma shape of inter-arrival gaps; 1 = Poisson, <1 burstier")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
-                        help="send ignore_eos so every output has the requested length")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                        help="send ignore_eos (a vLLM extension, not OpenAI's) so every output has the "
+                             "requested length")
     parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs a request must all meet to count, e.g. ttft:500 tpot:50; "
                              f"metrics: {', '.join(SLO_NAMES)}")
@@ -151,11 +152,18 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer | None) -> Wor
 
 async def resolve_model(session: aiohttp.ClientSession, base_url: str,
                         headers: dict[str, str]) -> str:
-    async with session.get(f"{base_url}/v1/models", headers=headers) as response:
-        response.raise_for_status()
-        models = (await response.json())["data"]
+    url = f"{base_url}/v1/models"
+    try:
+        async with session.get(url, headers=headers) as response:
+            if response.status != 200:
+                body = (await response.text())[:300]
+                raise ValueError(f"{url} answered HTTP {response.status}: {body} "
+                                 "(check --api-key, or pass --model)")
+            models = (await response.json())["data"]
+    except aiohttp.ClientError as e:
+        raise ValueError(f"cannot reach {url}: {e}") from None
     if not models:
-        raise RuntimeError(f"{base_url}/v1/models lists no model; pass --model")
+        raise ValueError(f"{url} lists no model; pass --model")
     return models[0]["id"]
 
 
@@ -197,7 +205,15 @@ def _result_path(args: argparse.Namespace, model: str, rate_label: str) -> Path:
     return Path(args.result_dir) / name
 
 
+def check_counts(args: argparse.Namespace) -> None:
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency must be >= 1 (leave it out for no limit), got {args.max_concurrency}")
+
+
 async def _benchmark(args: argparse.Namespace) -> dict:
+    check_counts(args)
     slos = parse_goodput(args.goodput)
     selected = parse_selected_metrics(args.percentile_metrics)
     percentiles = parse_percentiles(args.metric_percentiles)
