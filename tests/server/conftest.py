@@ -92,19 +92,37 @@ def server(make_server: Callable[..., str]) -> str:
     return make_server()
 
 
+def hold_calls(obj: Any, name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Make each call of `obj.name` wait until the second event (release) is set; the first
+    (entered) is set once a call waits."""
+    entered, release = threading.Event(), threading.Event()
+    fn = getattr(obj, name)
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        entered.set()
+        release.wait()
+        return fn(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, held)
+    return entered, release
+
+
 @pytest.fixture
 def gate(engine: AsyncLLMEngine, make_server: Callable[..., str],
          monkeypatch: pytest.MonkeyPatch) -> Iterator[threading.Event]:
     """Hold the engine before each step until the test sets the event: requests queue up
     deterministically, whatever the machine's speed. (It depends on make_server so that it
     opens before the servers' leak check runs.)"""
-    release = threading.Event()
-    step = engine.core.step
-
-    def gated_step():
-        release.wait()
-        return step()
-
-    monkeypatch.setattr(engine.core, "step", gated_step)
+    _, release = hold_calls(engine.core, "step", monkeypatch)
     yield release
+    release.set()
+
+
+@pytest.fixture
+def model_gate(engine: AsyncLLMEngine, make_server: Callable[..., str],
+               monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[threading.Event, threading.Event]]:
+    """(entered, release): hold each step after it has scheduled, before the model runs, until
+    the test sets `release`; `entered` tells that a step is held. (After make_server, as gate.)"""
+    entered, release = hold_calls(engine.core.runner, "execute_model", monkeypatch)
+    yield entered, release
     release.set()

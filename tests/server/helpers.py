@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any
+from typing import Any, Optional
 
 import httpx
 import pytest
@@ -22,8 +23,11 @@ def async_client(url: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def post(url: str, path: str, body: Any, **kwargs: Any) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json=body, timeout=60, **kwargs)
+def post(url: str, path: str, body: Any, headers: Optional[dict[str, str]] = None) -> httpx.Response:
+    # ASCII JSON (\u escapes, as json.dumps writes it) carries any str, a lone surrogate
+    # included, which httpx's UTF-8 JSON cannot encode.
+    return httpx.post(f"{url}{path}", content=json.dumps(body), timeout=60,
+                      headers={"Content-Type": "application/json", **(headers or {})})
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset], float]:

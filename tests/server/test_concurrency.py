@@ -1,8 +1,10 @@
-"""Many streams at once, overload (429), and clients that go away mid-request."""
+"""Many streams at once (also while a prompt is tokenized), overload (429), and clients that go
+away mid-request."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -70,6 +72,21 @@ def test_429_past_the_waiting_limit(make_server, engine, gate):
     assert post(url, "/v1/completions", body).status_code == 200
 
 
+def test_requests_in_the_running_step_do_not_count_as_waiting(make_server, engine, model_gate):
+    entered, release = model_gate
+    url = make_server(max_waiting_requests=3)
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 3, "ignore_eos": True}
+    with ThreadPoolExecutor(4) as pool:
+        running = pool.submit(post, url, "/v1/completions", body)
+        # Its step has scheduled it and is held before the model runs: it no longer waits.
+        assert entered.wait(timeout=20)
+        held = [pool.submit(post, url, "/v1/completions", body) for _ in range(3)]
+        wait_until(lambda: engine.num_waiting_requests() == 3, "three waiting requests")
+        assert post(url, "/v1/completions", body).status_code == 429
+        release.set()
+        assert [f.result().status_code for f in [running, *held]] == [200] * 4
+
+
 @pytest.fixture
 def slow_steps(engine, monkeypatch):
     """Steps of >= 10 ms, so that a long request is still running when its client leaves."""
@@ -77,6 +94,45 @@ def slow_steps(engine, monkeypatch):
 
 
 LONG_RUN = 200  # tokens: >= 2 s at >= 10 ms a step, far longer than noticing a disconnect takes
+
+
+MARKER = "tokenize-me-slowly"
+
+
+@pytest.mark.parametrize("path,marked", [
+    ("/v1/completions", {"prompt": f"hello {MARKER}"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": MARKER}]}),
+], ids=["completions", "chat"])
+def test_streams_flow_while_a_prompt_is_tokenized(server, engine, gate, slow_steps, monkeypatch, path, marked):
+    """The marked prompt's tokenization (a huge prompt's, seconds long) lasts until the test has
+    read chunks of another stream. On the event loop it would hold that stream back until the
+    hold gives up, and the marked request would fail."""
+    tokenizing, tokenized = threading.Event(), threading.Event()
+    encode = engine.tokenizer.encode
+
+    def held_encode(text, *args, **kwargs):
+        if MARKER in text:
+            tokenizing.set()
+            if not tokenized.wait(timeout=30):
+                raise RuntimeError("no other stream made progress during tokenization")
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", held_encode)
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": LONG_RUN, "ignore_eos": True,
+            "logprobs": 1, "stream": True}  # logprobs: a chunk for every step's token
+    with ThreadPoolExecutor(1) as pool, \
+            httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200  # accepted; the gate holds its first step
+        marked_response = pool.submit(post, server, path, {**marked, "max_tokens": 2})
+        assert tokenizing.wait(timeout=30)
+        gate.set()  # every chunk from here on flows while the marked prompt is being tokenized
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data:")
+            if events == 3:
+                break
+        tokenized.set()
+        assert marked_response.result().status_code == 200
 
 
 def aborted_count(url: str) -> float:

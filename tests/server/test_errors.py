@@ -50,6 +50,9 @@ CASES = [
      "top_logprobs"),
     ("chat-temperature-negative", CHAT, {"messages": MESSAGES, "temperature": -1}, 400, "temperature"),
     ("chat-n-two", CHAT, {"messages": MESSAGES, "n": 2}, 400, "n"),
+    # Valid JSON ("\ud800") but no text the tokenizer can encode.
+    ("lone-surrogate", COMPLETIONS, {"prompt": "hi \ud800"}, 400, "prompt"),
+    ("chat-lone-surrogate", CHAT, {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages"),
 ]
 
 
@@ -78,6 +81,49 @@ def test_invalid_json(server, raw):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["type"] == "invalid_request_error" and "JSON" in error["message"]
+    assert_serves(server)
+
+
+# Errors Starlette or FastAPI raise before a route runs: (id, method, path, raw body, status).
+FRAMEWORK_CASES = [
+    ("invalid-utf8", "POST", COMPLETIONS, b'{"prompt": "hi \xff\xfe"}', 400),
+    ("nested-too-deep", "POST", COMPLETIONS, b"[" * 100000, 400),
+    ("unknown-route", "POST", "/v1/nowhere", b"{}", 404),
+    ("wrong-method", "GET", COMPLETIONS, b"", 405),
+]
+
+
+@pytest.mark.parametrize("method,path,raw,status", [c[1:] for c in FRAMEWORK_CASES],
+                         ids=[c[0] for c in FRAMEWORK_CASES])
+def test_framework_errors_in_openai_shape(server, method, path, raw, status):
+    response = httpx.request(method, f"{server}{path}", content=raw,
+                             headers={"Content-Type": "application/json"}, timeout=60)
+    assert response.status_code == status, response.text
+    assert set(response.json()) == {"error"}
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] is None
+    assert f"{method} {path}" in error["message"]
+    if status == 405:
+        assert response.headers["Allow"] == "POST"
+    assert_serves(server)
+
+
+def test_parse_failure_says_why(server):
+    raw = b'{"prompt": "hi \xff"}'
+    response = httpx.post(f"{server}{COMPLETIONS}", content=raw, headers={"Content-Type": "application/json"})
+    assert "can't decode byte 0xff" in response.json()["error"]["message"]
+
+
+def test_unexpected_error_is_a_500_in_openai_shape(server, engine, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("tokenizer on fire")
+
+    monkeypatch.setattr(engine.tokenizer, "encode", broken)
+    response = post(server, COMPLETIONS, {"prompt": "hi"})
+    assert response.status_code == 500
+    assert response.json()["error"] == {"message": "tokenizer on fire", "type": "server_error",
+                                        "param": None, "code": "internal_error"}
+    monkeypatch.undo()
     assert_serves(server)
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Union
 
 from tokenweir.config import EngineArgs
+from tokenweir.core.scheduler import SchedulerOutput
 from tokenweir.engine.core import EngineCore
 from tokenweir.engine.output import RequestOutput
 from tokenweir.metrics import EngineMetrics, StatsLogger
@@ -164,9 +165,9 @@ class AsyncLLMEngine:
         self.model_name = core.served_model_name
         # The scheduler's limit also counts the KV pool and, without chunked prefill, the budget.
         self.max_model_len = core.scheduler.max_model_len
-        # The server tokenizes on the event loop while the engine thread detokenizes. A copy of
-        # its own keeps the two threads off one Rust tokenizer, whose mutating calls (padding
-        # and truncation settings) fail when another thread holds it.
+        # The server tokenizes in its threads while the engine thread detokenizes. A copy of
+        # its own keeps the engine thread off the server's Rust tokenizer, whose mutating calls
+        # (padding and truncation settings) fail when another thread holds it.
         self.tokenizer = copy.deepcopy(core.tokenizer)
         self.metrics = EngineMetrics(self.model_name, core.scheduler_config.max_num_batched_tokens)
         log_stats = not core.args.disable_log_stats if log_stats is None else log_stats
@@ -181,9 +182,11 @@ class AsyncLLMEngine:
         # Loop side: requests with a live stream, and adds the engine has not acknowledged yet.
         self._active: dict[str, RequestStream] = {}
         self._num_in_transit = 0
-        # Published by the engine thread after each command batch and step (plain int stores).
+        # Published by the engine thread after each command batch and step (plain int stores),
+        # and the waiting count also once each step has scheduled.
         self._num_waiting = 0
         self._num_unfinished = 0
+        self._publish_waiting_after_scheduling()
         self._thread = threading.Thread(target=self._run, name="tokenweir-engine", daemon=True)
         self._thread.start()
 
@@ -324,6 +327,21 @@ class AsyncLLMEngine:
             if self.core.has_unfinished_requests():
                 self._step()
                 self._publish_stats()
+
+    def _publish_waiting_after_scheduling(self) -> None:
+        """Publish the waiting count as soon as each step has scheduled: the requests it admits
+        run from then on, though the step (a long prefill) may take seconds more, and must not
+        count toward the server's waiting limit. EngineCore.step offers no hook between
+        scheduling and running the model, so the scheduler's method is wrapped."""
+        scheduler = self.core.scheduler
+        schedule = scheduler.schedule
+
+        def schedule_and_publish(*args: Any, **kwargs: Any) -> SchedulerOutput:
+            output = schedule(*args, **kwargs)
+            self._num_waiting = len(scheduler.waiting)
+            return output
+
+        scheduler.schedule = schedule_and_publish  # type: ignore[method-assign]
 
     def _handle_commands(self, block: bool) -> tuple[list[tuple[RequestStream, Optional[BaseException]]], bool]:
         """Run every queued command (waiting for one if `block`); returns the add acks and

@@ -1,10 +1,11 @@
 """The OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions, /v1/models,
 /health, /metrics, /version.
 
-Requests are validated and tokenized here, on the event loop, then handed to AsyncLLMEngine.
-Every error a client can cause is answered in OpenAI's JSON shape with a 4xx naming the field;
-an engine failure is a 500 (or, mid-stream, an SSE error event); an overloaded server answers
-429 with Retry-After. A client that disconnects aborts its request, freeing its KV blocks.
+Requests are validated here and tokenized in worker threads (a huge prompt takes seconds, and
+the event loop must keep other streams flowing), then handed to AsyncLLMEngine. Every error is
+answered in OpenAI's JSON shape: one a client can cause with a 4xx (naming the field where there
+is one), an engine failure with a 500 (or, mid-stream, an SSE error event); an overloaded server
+answers 429 with Retry-After. A client that disconnects aborts its request, freeing its KV blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tokenweir
@@ -81,6 +83,16 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     # pydantic names the union member that failed ('str', 'list[int]'): not a field.
     path = ".".join(f for f in fields if f.isdigit() or f.isidentifier() and f not in _TYPE_TAGS)
     return _bad_request(f"invalid '{path}': {err.get('msg')} (got {err.get('input')!r})", fields[0])
+
+
+def _http_error(request: Request, exc: HTTPException) -> APIError:
+    """Starlette's own errors (unknown route, wrong method, and FastAPI's body that cannot be
+    parsed, such as invalid UTF-8 or JSON nested too deeply), in OpenAI's shape."""
+    message = f"{exc.detail} ({request.method} {request.url.path})"
+    if exc.__cause__ is not None:  # FastAPI keeps why the body could not be parsed only here
+        message = f"{message}: {exc.__cause__}"
+    type = "server_error" if exc.status_code >= 500 else "invalid_request_error"
+    return APIError(exc.status_code, message, type=type, headers=exc.headers)
 
 
 class _APIKeyMiddleware:
@@ -206,8 +218,20 @@ class OpenAIServer:
             raise _bad_request(str(e), first_word if first_word in _SAMPLING_FIELDS else None) from e
 
     # ------------------------------------------------------------ prompts
+    # Tokenizing and rendering run in worker threads (asyncio.to_thread). They may overlap: the
+    # Rust tokenizer's encode and decode only read it, as long as every call passes the same
+    # truncation and padding settings (otherwise transformers changes them first).
 
-    def completion_prompt(self, body: CompletionRequest) -> tuple[Optional[str], list[int]]:
+    def encode(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        try:
+            # The tokenizer rejects a lone surrogate (valid JSON: "\ud800") with a TypeError that
+            # does not say why; str.encode names the character and where it is.
+            text.encode("utf-8")
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except (TypeError, ValueError) as e:
+            raise _bad_request(f"`{param}` cannot be tokenized: {e}", param) from e
+
+    async def completion_prompt(self, body: CompletionRequest) -> tuple[Optional[str], list[int]]:
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             if len(prompt) != 1:
@@ -215,7 +239,7 @@ class OpenAIServer:
                                    "send one prompt per request", "prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+            return prompt, await asyncio.to_thread(self.encode, prompt, "prompt", True)
         return None, list(prompt)  # the engine checks the ids against the vocabulary
 
     def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[int]]:
@@ -226,7 +250,7 @@ class OpenAIServer:
             raise _bad_request(f"messages cannot be rendered by the model's chat template: {e}",
                                "messages") from e
         # The template already carries BOS where the model wants one (as LLM.chat does).
-        return text, self.tokenizer.encode(text, add_special_tokens=False)
+        return text, self.encode(text, "messages", add_special_tokens=False)
 
     # ------------------------------------------------------------ serving
 
@@ -236,7 +260,7 @@ class OpenAIServer:
         self.check_overload()
         if body.echo:
             raise _bad_request("echo is not supported", "echo")
-        text, ids = self.completion_prompt(body)
+        text, ids = await self.completion_prompt(body)
         max_tokens = self.resolve_max_tokens(body.max_tokens, "max_tokens", ids, "prompt")
         params = self.sampling_params(body, max_tokens, body.logprobs)
         job = await self.submit("cmpl", body, raw, text, ids, params, arrival, chat=False)
@@ -251,7 +275,7 @@ class OpenAIServer:
                 raise _bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
             if not 0 <= body.top_logprobs <= 20:
                 raise _bad_request(f"top_logprobs must be in [0, 20], got {body.top_logprobs}", "top_logprobs")
-        text, ids = self.chat_prompt(body)
+        text, ids = await asyncio.to_thread(self.chat_prompt, body)
         if body.max_completion_tokens is not None:
             max_tokens = self.resolve_max_tokens(body.max_completion_tokens, "max_completion_tokens",
                                                  ids, "messages")
@@ -404,6 +428,15 @@ def build_app(engine: AsyncLLMEngine, *, api_key: Optional[str] = None,
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         return _validation_error(exc).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return _http_error(request, exc).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_: Request, exc: Exception) -> JSONResponse:
+        # Starlette still raises the exception after this answer, so uvicorn logs its traceback.
+        return _engine_error(exc).response()
 
     v1 = APIRouter(prefix="/v1")
 
