@@ -186,7 +186,9 @@ class AsyncLLMEngine:
         # and the waiting count also once each step has scheduled.
         self._num_waiting = 0
         self._num_unfinished = 0
-        self._publish_waiting_after_scheduling()
+        # Requests a step admits run from its scheduling on, though the step (a long prefill)
+        # may take seconds more: they must not count toward the server's waiting limit.
+        core.on_scheduled = self._publish_waiting
         self._thread = threading.Thread(target=self._run, name="tokenweir-engine", daemon=True)
         self._thread.start()
 
@@ -328,20 +330,8 @@ class AsyncLLMEngine:
                 self._step()
                 self._publish_stats()
 
-    def _publish_waiting_after_scheduling(self) -> None:
-        """Publish the waiting count as soon as each step has scheduled: the requests it admits
-        run from then on, though the step (a long prefill) may take seconds more, and must not
-        count toward the server's waiting limit. EngineCore.step offers no hook between
-        scheduling and running the model, so the scheduler's method is wrapped."""
-        scheduler = self.core.scheduler
-        schedule = scheduler.schedule
-
-        def schedule_and_publish(*args: Any, **kwargs: Any) -> SchedulerOutput:
-            output = schedule(*args, **kwargs)
-            self._num_waiting = len(scheduler.waiting)
-            return output
-
-        scheduler.schedule = schedule_and_publish  # type: ignore[method-assign]
+    def _publish_waiting(self, _: SchedulerOutput) -> None:
+        self._num_waiting = len(self.core.scheduler.waiting)
 
     def _handle_commands(self, block: bool) -> tuple[list[tuple[RequestStream, Optional[BaseException]]], bool]:
         """Run every queued command (waiting for one if `block`); returns the add acks and

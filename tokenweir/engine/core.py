@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 
@@ -63,6 +63,9 @@ class EngineCore:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.states: dict[str, OutputState] = {}
         self.last_scheduler_output: Optional[SchedulerOutput] = None  # for metrics and checks
+        # Called once a step has scheduled, before the model runs (which may take seconds): the
+        # async front publishes its waiting count from here.
+        self.on_scheduled: Optional[Callable[[SchedulerOutput], None]] = None
         self._failed: dict[str, Exception] = {}
         num_tokens = num_blocks * args.block_size
         logger.info("model %s (%s, %s on %s)", self.served_model_name, self.loaded.path,
@@ -142,6 +145,8 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule(now=time.time())
+        if self.on_scheduled is not None:
+            self.on_scheduled(scheduler_output)
         runner_output = self.runner.execute_model(scheduler_output)
         now = time.time()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids, now)
