@@ -76,3 +76,19 @@ def test_default_model_chat_answer(default_model):
                    SamplingParams(max_tokens=20, temperature=0), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text and out.finish_reason == "stop"
     assert_no_leaks(llm.engine.scheduler)
+
+
+def test_seeded_sampling_in_bf16_does_not_depend_on_the_batch():
+    """dtype="auto" is bf16 here. A request decoding alone multiplies one row at a time, which
+    oneDNN computes with another kernel than a batch's rows (last-bit differences that change a
+    sampled token sooner or later); linear.py computes a single row as two."""
+    llm = LLM.from_engine(EngineCore(EngineArgs(dtype="bfloat16", device="cpu", num_gpu_blocks_override=512)))
+    seeded = SamplingParams(max_tokens=48, temperature=1.0, seed=7, ignore_eos=True)
+    prompt = "Tell me a short story about a dragon."
+    alone = llm.generate(prompt, seeded, use_tqdm=False)[0].outputs[0]
+    others = ["Explain photosynthesis in detail. " * 6, "Hi", "List ten fruits.",
+              "Write a poem about autumn leaves falling." * 3, "What is 2+2?", "Describe Paris."]
+    batch = llm.generate(others + [prompt], [SamplingParams(max_tokens=48, temperature=0.8, ignore_eos=True)] * 6
+                         + [seeded], use_tqdm=False)
+    assert batch[-1].outputs[0].token_ids == alone.token_ids
+    assert_no_leaks(llm.engine.scheduler)

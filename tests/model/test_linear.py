@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from tokenweir.model.linear import Linear, can_prepack
 
 
-@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+@pytest.mark.parametrize("rows", [2, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_prepacked_bf16_is_bit_identical(rows, with_bias):
     if not torch.backends.mkldnn.is_available():
@@ -28,3 +28,12 @@ def test_float32_is_not_prepacked():
     linear = Linear(weight)
     x = torch.randn(3, 4)
     assert torch.equal(linear(x), F.linear(x, weight))
+
+
+def test_one_row_is_computed_like_a_row_of_a_batch():
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("oneDNN is not available in this torch build")
+    torch.manual_seed(0)
+    linear = Linear(torch.randn(96, 48, dtype=torch.bfloat16))
+    x = torch.randn(5, 48, dtype=torch.bfloat16)
+    assert torch.equal(linear(x[:1]), linear(x)[:1])
