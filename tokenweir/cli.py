@@ -28,6 +28,7 @@ _HELP = {
     "swap_space": "GiB of host memory for swap preemption",
     "num_gpu_blocks_override": "number of KV blocks (instead of --kv-cache-memory)",
     "kv_cache_memory": "KV cache size, e.g. 2GiB (CPU default 2GiB)",
+    "gpu_memory_utilization": "CUDA: fraction of the GPU's memory the engine may use (weights, activations, KV)",
     "disable_log_stats": "do not log periodic engine stats",
 }
 
@@ -58,10 +59,11 @@ def _generate(ns: argparse.Namespace) -> int:
     from tokenweir.engine.llm import LLM
     from tokenweir.request import SamplingParams
 
+    # Both checked before the model loads: a bad flag fails in a moment, not after the load.
     args = engine_args_from(ns)
-    llm = LLM(**dataclasses.asdict(args))
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
                             seed=ns.seed_sampling)
+    llm = LLM(**dataclasses.asdict(args))
     if ns.chat:
         outputs = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
     else:

@@ -139,12 +139,15 @@ class EngineArgs:
     swap_space: float = 0.0
     num_gpu_blocks_override: Optional[int] = None
     kv_cache_memory: Union[None, int, str] = None
+    gpu_memory_utilization: float = 0.9
     disable_log_stats: bool = False
 
     def __post_init__(self) -> None:
         # The scheduler core takes any block size; the model's KV cache stores keys and values
         # in pairs (attention.py), so the engine needs an even one.
         _check_bool("disable_log_stats", self.disable_log_stats)
+        if not is_finite_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not is_integer(self.block_size) or self.block_size < 2 or self.block_size % 2:
             raise ValueError(f"block_size must be a positive even number of tokens, got {self.block_size!r}")
         if self.num_gpu_blocks_override is not None:

@@ -75,6 +75,7 @@ def test_chunking_off_needs_a_budget_of_max_model_len():
     (lambda: EngineArgs(swap_space=4), r"swap_space \(4 GiB\) would never be used"),
     (lambda: EngineArgs(max_num_seqs=0), "max_num_seqs must be an integer >= 1, got 0"),
     (lambda: EngineArgs(enable_prefix_caching="no"), "enable_prefix_caching must be true or false, got 'no'"),
+    (lambda: EngineArgs(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
     (lambda: EngineArgs(enable_chunked_prefill="false"), "enable_chunked_prefill must be true or false"),
 ])
 def test_config_errors_name_the_setting(make, message):

@@ -34,6 +34,8 @@ def test_generate_prints_a_completion_from_the_default_model():
 @pytest.mark.parametrize("flags, message", [
     (["--block-size", "15"], "error: block_size must be a positive even number of tokens, got 15"),
     (["--model", "/no/such/model"], "/no/such/model"),
+    # Checked before the model loads (a missing model would fail first otherwise).
+    (["--model", "/no/such/model", "--max-tokens", "0"], "max_tokens must be an integer >= 1"),
 ])
 def test_a_bad_setting_is_a_one_line_error_not_a_traceback(flags, message):
     result = subprocess.run([sys.executable, "-m", "tokenweir.cli", "generate", "hi", *flags],

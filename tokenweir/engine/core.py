@@ -22,7 +22,6 @@ from tokenweir.request import Request, RequestStatus, SamplingParams
 logger = logging.getLogger("tokenweir")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
-GPU_MEMORY_UTILIZATION = 0.9
 
 
 def _num_kv_blocks(args: EngineArgs, loaded: LoadedModel) -> int:
@@ -33,7 +32,7 @@ def _num_kv_blocks(args: EngineArgs, loaded: LoadedModel) -> int:
     if budget is None and loaded.device.type == "cuda":
         free, total = torch.cuda.mem_get_info(loaded.device)
         # Leave (1 - utilization) of the card and 1 GiB of activations to everything else.
-        budget = max(0, int(free - (1 - GPU_MEMORY_UTILIZATION) * total) - 1024**3)
+        budget = max(0, int(free - (1 - args.gpu_memory_utilization) * total) - 1024**3)
     if budget is None:
         budget = DEFAULT_CPU_KV_CACHE_BYTES
     num_blocks = budget // per_block
