@@ -101,6 +101,7 @@ def test_priority_and_metrics(make_llm, tiny_model_dir):
     ({"prompt_token_ids": []}, "the prompt is empty"),
     ({"prompt_token_ids": [5] * 600}, r"the prompt has 600 tokens, more than max_model_len \(512\)"),
     ({"prompt_token_ids": [5, 100000]}, r"prompt token ids must be integers in \[0, 256\)"),
+    ({"prompt_token_ids": [True, 2]}, r"prompt token ids must be integers in \[0, 256\); got \[True\]"),
     ({"tokens": [1]}, "a prompt must be a string or"),
 ])
 def test_bad_prompts_raise_and_leave_nothing_behind(make_llm, tiny_model_dir, prompt, message):
@@ -283,3 +284,17 @@ def test_bad_request_arguments_leave_nothing_behind(make_llm, tiny_model_dir, kw
     with pytest.raises(ValueError, match=message):
         llm.generate(["one", "two"], use_tqdm=False, **kwargs)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_sampling_params_must_be_sampling_params(make_llm, tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), **KV)
+    with pytest.raises(ValueError, match="sampling_params must be SamplingParams or a list of them"):
+        llm.generate("hi", {"max_tokens": 3}, use_tqdm=False)
+
+
+def test_greedy_min_tokens_in_bf16(make_llm, tiny_model_dir):
+    # An all-greedy step keeps bf16 logits; masking EOS below min_tokens must work on them.
+    llm = make_llm(tiny_model_dir("llama"), dtype="bfloat16", **KV)
+    out = llm.generate(["hello world", "one two"], SamplingParams(max_tokens=6, min_tokens=6, temperature=0),
+                       use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]

@@ -65,8 +65,10 @@ def test_seeded_rows_reproducible_and_batch_independent():
     assert seq == first
 
 
-def test_min_tokens_masks_eos_and_stop_ids():
-    x = torch.zeros(3, V)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_min_tokens_masks_eos_and_stop_ids(dtype):
+    # All rows greedy: bf16 logits stay bf16 (nothing widens them), and the mask must fit that.
+    x = torch.zeros(3, V, dtype=dtype)
     x[:, 2] = 10.0  # EOS is everyone's favourite
     x[:, 5] = 9.0  # then a stop token
     out = sample(

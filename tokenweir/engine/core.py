@@ -87,7 +87,7 @@ class EngineCore:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than "
                              f"max_model_len ({self.max_model_len})")
         vocab = self.loaded.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if not is_integer(t) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
 

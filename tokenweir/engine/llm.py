@@ -80,6 +80,8 @@ class LLM:
             params = list(sampling_params)
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
         priorities = list(priority) if priority is not None else [0] * n
         if len(priorities) != n:
             raise ValueError(f"got {len(priorities)} priorities for {n} prompts")

@@ -125,7 +125,9 @@ class Sampler:
             logits = logits.float()  # probabilities in float32; argmax alone needs no widening
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if meta.banned is not None:
-            logits = logits.index_put(meta.banned, torch.tensor(float("-inf"), device=logits.device))
+            # In the logits' own dtype: all-greedy steps keep bf16 logits.
+            minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+            logits = logits.index_put(meta.banned, minus_inf)
 
         # Right for greedy rows; sampled rows are overwritten below.
         tokens = kernels.argmax_rows(logits) if kernels.fused_ops_available(logits) else logits.argmax(dim=-1)
