@@ -56,6 +56,13 @@ def test_serve_default_model_answers_a_chat_completion(tmp_path):
         usage = reply.usage
         assert usage.prompt_tokens > 0 and 1 <= usage.completion_tokens <= 8
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+        # The default dtype (bf16 here) through greedy, min_tokens, logprobs and a stream.
+        held = client.completions.create(model=model, prompt="Hi", max_tokens=6, temperature=0,
+                                         extra_body={"min_tokens": 6})
+        assert held.usage.completion_tokens == 6
+        chunks = list(client.completions.create(model=model, prompt="Name a colour:", max_tokens=5,
+                                                temperature=0.5, seed=1, logprobs=2, stream=True))
+        assert all(c.choices[0].logprobs is not None for c in chunks if c.choices)
     finally:
         proc.terminate()
         try:
