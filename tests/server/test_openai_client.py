@@ -74,8 +74,9 @@ def test_chat_streamed_and_not(server, engine):
 def test_chat_stream_opens_with_the_first_token(server, engine, gate):
     # The role chunk waits for the engine's first output, so a client timing the first chunk
     # measures time to first token. The engine is held before its first step here.
-    # With logprobs every token gets its own chunk, so the opening chunk must carry exactly the
-    # first token's: proof that does not depend on timing.
+    # With logprobs a chunk goes out for every output, so the opening chunk must carry the
+    # first token's logprob (a role chunk sent on acceptance would carry none). Outputs the
+    # stream reads late are merged, so later chunks may hold several tokens: only the total is 4.
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 4, "stream": True, "ignore_eos": True,
             "logprobs": True, **SEEDED}
     events: list[dict] = []
@@ -95,7 +96,8 @@ def test_chat_stream_opens_with_the_first_token(server, engine, gate):
         done.result()
     choices = [e["choices"][0] for e in events if e["choices"]]
     assert choices[0]["delta"]["role"] == "assistant" and all("role" not in c["delta"] for c in choices[1:])
-    assert [len(c["logprobs"]["content"]) for c in choices] == [1, 1, 1, 1]
+    counts = [len(c["logprobs"]["content"]) for c in choices]
+    assert counts[0] >= 1 and sum(counts) == 4
 
 
 def test_stop_string_cuts_the_text(server):
