@@ -10,13 +10,7 @@ from tokenweir.engine.core import EngineCore
 def record_schedules(engine: EngineCore) -> list[SchedulerOutput]:
     """Every SchedulerOutput the engine's scheduler returns from now on, in order."""
     outputs: list[SchedulerOutput] = []
-    schedule = engine.scheduler.schedule
-
-    def recording(*args, **kwargs) -> SchedulerOutput:
-        outputs.append(schedule(*args, **kwargs))
-        return outputs[-1]
-
-    engine.scheduler.schedule = recording
+    engine.on_scheduled = outputs.append
     return outputs
 
 

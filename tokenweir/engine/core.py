@@ -161,10 +161,11 @@ class EngineCore:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED, now)
             for rid in stopped:
-                # The token that completed the stop string also hit max_tokens / max_model_len:
-                # the request ended by length in the scheduler, but the stop string is why its
-                # text ends where it does (vLLM reports "stop" too).
-                self.states[rid].request.status = RequestStatus.FINISHED_STOPPED
+                request = self.states[rid].request
+                if request.status == RequestStatus.FINISHED_LENGTH:
+                    # The token that completed the stop string also hit max_tokens: the stop
+                    # string is why the text ends where it does (vLLM reports "stop" too).
+                    request.status = RequestStatus.FINISHED_STOPPED
         if self._failed:
             self.scheduler.abort_requests(list(self._failed), now)
         outputs = []
