@@ -6,7 +6,7 @@ No torch here: the scheduler, the simulator and the router import this module.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
 from tokenweir.checks import is_finite_number, is_integer
@@ -51,6 +51,63 @@ _FINISH_REASONS = {
 
 # Integer knobs end up in int64 tensors (top_k, stop ids) or a 64-bit generator seed.
 _INT64_LIMIT = 2**63
+
+# Priorities are bounded so that scores built from them (the SLA policy) stay finite and exact.
+PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
+# A tenant name or cache salt is a key in per-tenant tables and a hashed block key: bounded.
+MAX_KEY_CHARS = 256
+
+
+def _check_key(name: str, value: object) -> None:
+    if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_KEY_CHARS):
+        raise ValueError(f"{name} must be a non-empty string of at most {MAX_KEY_CHARS} characters "
+                         f"or None, got {value!r:.80}")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if value is not None and (not is_finite_number(value) or value <= 0):
+        raise ValueError(f"{name} must be a finite number of seconds > 0 or None, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingHints:
+    """What a client says about how its request should be scheduled, carried unchanged from
+    the server (or `LLM`) through the engine to the `Request`. Plain values only, so it can be
+    sent to another process (`to_dict` / `from_dict`). Validated on construction.
+
+    Times are seconds. `deadline` is relative to arrival (finish within this many seconds), so
+    the record means the same in every process whatever its clock; `arrival_time` is a value of
+    the engine's monotonic clock, or None for "when the engine receives it".
+    """
+
+    priority: int = 0  # smaller is more important (vLLM's sense), in [PRIORITY_MIN, PRIORITY_MAX]
+    tenant: Optional[str] = None
+    deadline: Optional[float] = None
+    ttft_slo: Optional[float] = None
+    tpot_slo: Optional[float] = None
+    cache_salt: Optional[str] = None  # requests with different salts never share cached blocks
+    arrival_time: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if not is_integer(self.priority) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
+            raise ValueError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
+                             f"got {self.priority!r}")
+        _check_key("tenant", self.tenant)
+        _check_key("cache_salt", self.cache_salt)
+        for name in ("deadline", "ttft_slo", "tpot_slo"):
+            _check_seconds(name, getattr(self, name))
+        if self.arrival_time is not None and not is_finite_number(self.arrival_time):
+            raise ValueError(f"arrival_time must be a finite number or None, got {self.arrival_time!r}")
+
+    def to_dict(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> SchedulingHints:
+        unknown = set(data) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown scheduling hints {sorted(unknown)}")
+        return cls(**data)  # type: ignore[arg-type]
 
 
 @dataclass
@@ -142,15 +199,9 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    arrival_time: float = 0.0
-    priority: int = 0
+    arrival_time: float = 0.0  # on the caller's clock; the scheduler never reads a clock
     eos_token_id: Optional[int] = None
-    cache_salt: Optional[str] = None
-    # Fields carried for the SLA policy and metrics (see DESIGN.md "Scheduling policies").
-    tenant: Optional[str] = None
-    deadline: Optional[float] = None  # absolute time by which the request should finish
-    ttft_slo: Optional[float] = None  # seconds
-    tpot_slo: Optional[float] = None  # seconds
+    hints: SchedulingHints = field(default_factory=SchedulingHints)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -164,13 +215,38 @@ class Request:
     # Timestamps.
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None
-    token_times: list[float] = field(default_factory=list)
+    last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt must contain at least one token")
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def priority(self) -> int:
+        return self.hints.priority
+
+    @property
+    def tenant(self) -> Optional[str]:
+        return self.hints.tenant
+
+    @property
+    def cache_salt(self) -> Optional[str]:
+        return self.hints.cache_salt
+
+    @property
+    def deadline(self) -> Optional[float]:
+        """Absolute time (arrival + the relative deadline) by which the request should finish."""
+        return None if self.hints.deadline is None else self.arrival_time + self.hints.deadline
+
+    @property
+    def ttft_slo(self) -> Optional[float]:
+        return self.hints.ttft_slo
+
+    @property
+    def tpot_slo(self) -> Optional[float]:
+        return self.hints.tpot_slo
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -195,6 +271,6 @@ class Request:
     def append_output_token(self, token_id: int, now: float) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
-        self.token_times.append(now)
+        self.last_token_time = now
         if self.first_token_time is None:
             self.first_token_time = now

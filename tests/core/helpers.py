@@ -9,7 +9,7 @@ from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.block_pool import BlockPool
 from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
-from tokenweir.request import Request, SamplingParams
+from tokenweir.request import Request, SamplingParams, SchedulingHints
 
 EOS = 2
 
@@ -29,14 +29,16 @@ def create_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: int = 16
 
 
 def make_request(request_id: str, prompt: list[int] | int, *, max_tokens: Optional[int] = 4,
-                 arrival_time: float = 0.0, priority: int = 0, **params) -> Request:
+                 arrival_time: float = 0.0, priority: int = 0, tenant: Optional[str] = None,
+                 cache_salt: Optional[str] = None, **params) -> Request:
     if isinstance(prompt, int):
         # Distinct tokens per request id, so prompts share nothing unless a test says so.
         base = 1000 + 100 * (abs(hash(request_id)) % 1000)
         prompt = list(range(base, base + prompt))
     return Request(request_id=request_id, prompt_token_ids=prompt,
                    sampling_params=SamplingParams(max_tokens=max_tokens, **params),
-                   arrival_time=arrival_time, priority=priority, eos_token_id=EOS)
+                   arrival_time=arrival_time, eos_token_id=EOS,
+                   hints=SchedulingHints(priority=priority, tenant=tenant, cache_salt=cache_salt))
 
 
 def next_token(context: list[int]) -> int:

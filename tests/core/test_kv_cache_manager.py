@@ -46,8 +46,7 @@ def test_cache_salt_separates_identical_prompts(make_kv):
     kv = make_kv(num_blocks=10, block_size=4)
     a = make_request("a", list(range(9)))
     admit(kv, a)
-    b = make_request("b", list(range(9)))
-    b.cache_salt = "tenant-b"
+    b = make_request("b", list(range(9)), cache_salt="tenant-b")
     assert kv.get_computed_blocks(b) == ([], 0)
     kv.free(a)
 

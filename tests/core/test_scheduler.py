@@ -379,7 +379,7 @@ def test_stats_and_timestamps(make_scheduler):
     assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (1, 1, 0)
     assert stats.kv_cache_usage == 2 / 64
     step(s, runner, now=2.0)
-    assert (a.first_scheduled_time, a.first_token_time, a.token_times, a.finished_time) == (1.0, 1.0, [1.0, 2.0], 2.0)
+    assert (a.first_scheduled_time, a.first_token_time, a.last_token_time, a.finished_time) == (1.0, 1.0, 2.0, 2.0)
     run_until_done(s, runner)
 
 

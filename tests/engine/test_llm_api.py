@@ -102,7 +102,7 @@ def test_priority_and_metrics(make_llm, tiny_model_dir):
     ({"prompt_token_ids": [5] * 600}, r"the prompt has 600 tokens, more than max_model_len \(512\)"),
     ({"prompt_token_ids": [5, 100000]}, r"prompt token ids must be integers in \[0, 256\)"),
     ({"prompt_token_ids": [True, 2]}, r"prompt token ids must be integers in \[0, 256\); got \[True\]"),
-    ({"tokens": [1]}, "a prompt must be a string or"),
+    ({"tokens": [1]}, "unknown prompt keys|a prompt must be a string,"),
 ])
 def test_bad_prompts_raise_and_leave_nothing_behind(make_llm, tiny_model_dir, prompt, message):
     llm = make_llm(tiny_model_dir("llama"), **KV)
@@ -273,8 +273,9 @@ def test_a_failed_step_leaves_nothing_behind(make_llm, tiny_model_dir, monkeypat
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(priority=[0, "x"]), "priority must be an integer, got 'x'"),
-    (dict(priority=[0, None]), "priority must be an integer, got None"),
+    (dict(priority=[0, "x"]), r"priority must be an integer in \[-2147483648, 2147483647\], got 'x'"),
+    (dict(priority=[0, None]), r"priority must be an integer in \[.*\], got None"),
+    (dict(priority=[0, 2**31]), r"priority must be an integer in \[.*\], got 2147483648"),
     (dict(sampling_params=SamplingParams(stop_token_ids=[5000])),
      r"stop_token_ids must be token ids below the vocabulary size \(256\)"),
 ])

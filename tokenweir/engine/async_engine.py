@@ -24,11 +24,14 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Union
 
 from tokenweir.config import EngineArgs
-from tokenweir.core.scheduler import SchedulerOutput
+from prometheus_client import CollectorRegistry
+
+from tokenweir.core.scheduler import SchedulerOutput, SchedulerStats
+from tokenweir.engine.client import ModelInfo
 from tokenweir.engine.core import EngineCore
 from tokenweir.engine.output import RequestOutput
 from tokenweir.metrics import EngineMetrics, StatsLogger
-from tokenweir.request import SamplingParams
+from tokenweir.request import SamplingParams, SchedulingHints
 
 logger = logging.getLogger("tokenweir")
 
@@ -129,7 +132,8 @@ class _Add:
     stream: RequestStream
     prompt: Union[str, list[int]]
     params: SamplingParams
-    kwargs: dict[str, Any]
+    hints: SchedulingHints
+    prompt_text: Optional[str]
 
 
 @dataclass
@@ -165,6 +169,7 @@ class AsyncLLMEngine:
         self.model_name = core.served_model_name
         # The scheduler's limit also counts the KV pool and, without chunked prefill, the budget.
         self.max_model_len = core.scheduler.max_model_len
+        self.model_info = ModelInfo(self.model_name, self.max_model_len, core.loaded.arch.vocab_size)
         # The server tokenizes in its threads while the engine thread detokenizes. A copy of
         # its own keeps the engine thread off the server's Rust tokenizer, whose mutating calls
         # (padding and truncation settings) fail when another thread holds it.
@@ -186,6 +191,7 @@ class AsyncLLMEngine:
         # and the waiting count also once each step has scheduled.
         self._num_waiting = 0
         self._num_unfinished = 0
+        self._stats = core.get_stats()
         # Requests a step admits run from its scheduling on, though the step (a long prefill)
         # may take seconds more: they must not count toward the server's waiting limit.
         core.on_scheduled = self._publish_waiting
@@ -206,6 +212,14 @@ class AsyncLLMEngine:
     def dead_error(self) -> Optional[BaseException]:
         return self._dead
 
+    @property
+    def metrics_registry(self) -> CollectorRegistry:
+        return self.metrics.registry
+
+    def get_stats(self) -> SchedulerStats:
+        """The scheduler's stats as of the engine thread's last publication."""
+        return self._stats
+
     def num_waiting_requests(self) -> int:
         """Requests not running yet: waiting in the scheduler or still on their way to it."""
         return self._num_waiting + self._num_in_transit
@@ -215,18 +229,18 @@ class AsyncLLMEngine:
         return max(self._num_unfinished, len(self._active))
 
     async def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
-                          **kwargs: Any) -> AsyncGenerator[RequestOutput, None]:
+                          hints: SchedulingHints = SchedulingHints(), *,
+                          prompt_text: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
         """Queue a request and wait until the engine has accepted it; returns its outputs.
 
         Raises ValueError for bad input (EngineCore.add_request's checks) and EngineDeadError
-        when the engine no longer runs. `kwargs` go to EngineCore.add_request (priority,
-        arrival_time, tenant, deadline, ttft_slo, tpot_slo, prompt_text). Leaving the returned
-        generator before its final output aborts the request.
+        when the engine no longer runs. Leaving the returned generator before its final output
+        aborts the request.
         """
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, asyncio.get_running_loop(), self._forget)
-        self._submit(_Add(stream, prompt, params, kwargs))
+        self._submit(_Add(stream, prompt, params, hints, prompt_text))
         self._active[request_id] = stream
         self._num_in_transit += 1
         try:
@@ -239,9 +253,10 @@ class AsyncLLMEngine:
         return self._outputs(stream)
 
     async def generate(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
-                       **kwargs: Any) -> AsyncIterator[RequestOutput]:
+                       hints: SchedulingHints = SchedulingHints(), *,
+                       prompt_text: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Stream a request's cumulative outputs (callers compute deltas); see `add_request`."""
-        outputs = await self.add_request(request_id, prompt, params, **kwargs)
+        outputs = await self.add_request(request_id, prompt, params, hints, prompt_text=prompt_text)
         try:
             async for output in outputs:
                 yield output
@@ -356,7 +371,8 @@ class AsyncLLMEngine:
     def _add(self, command: _Add) -> Optional[BaseException]:
         rid = command.stream.request_id
         try:
-            self.core.add_request(rid, command.prompt, command.params, **command.kwargs)
+            self.core.add_request(rid, command.prompt, command.params, command.hints,
+                                  prompt_text=command.prompt_text)
         except Exception as e:
             if not isinstance(e, ValueError):
                 logger.exception("adding request %s failed", rid)
@@ -428,7 +444,7 @@ class AsyncLLMEngine:
                 stream.put_error(error)
 
     def _publish_stats(self) -> None:
-        stats = self.core.get_stats()
+        stats = self._stats = self.core.get_stats()
         self.metrics.record_scheduler_stats(stats)
         self._num_waiting = stats.num_waiting
         self._num_unfinished = len(self.core.states)

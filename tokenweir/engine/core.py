@@ -17,7 +17,7 @@ from tokenweir.engine.output import OutputProcessor, OutputState, RequestOutput
 from tokenweir.model.attention import kv_cache_bytes_per_block
 from tokenweir.model.loader import LoadedModel, load_model
 from tokenweir.model.runner import ModelRunner
-from tokenweir.request import Request, RequestStatus, SamplingParams
+from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
 
 logger = logging.getLogger("tokenweir")
 
@@ -91,15 +91,14 @@ class EngineCore:
         if bad:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
 
-    def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams, *,
-                    prompt_text: Optional[str] = None, priority: int = 0, arrival_time: Optional[float] = None, tenant: Optional[str] = None,
-                    deadline: Optional[float] = None, ttft_slo: Optional[float] = None,
-                    tpot_slo: Optional[float] = None) -> Request:
+    def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
+                    hints: SchedulingHints = SchedulingHints(), *,
+                    prompt_text: Optional[str] = None) -> Request:
         """Validate and queue a request; raises ValueError with a precise message on bad input."""
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not is_integer(priority):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if not isinstance(hints, SchedulingHints):
+            raise ValueError(f"hints must be SchedulingHints, got {type(hints).__name__}")
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
         vocab = self.loaded.arch.vocab_size
@@ -108,9 +107,8 @@ class EngineCore:
                              f"got {params.stop_token_ids}")
         params = self._with_extra_eos(params)
         request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
-                          arrival_time=time.time() if arrival_time is None else arrival_time,
-                          priority=priority, eos_token_id=self.loaded.arch.eos_token_id, tenant=tenant,
-                          deadline=deadline, ttft_slo=ttft_slo, tpot_slo=tpot_slo)
+                          arrival_time=time.time() if hints.arrival_time is None else hints.arrival_time,
+                          eos_token_id=self.loaded.arch.eos_token_id, hints=hints)
         self.scheduler.add_request(request)
         if request.status == RequestStatus.FINISHED_IGNORED:
             raise ValueError(request.status_message)

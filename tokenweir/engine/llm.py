@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
@@ -11,10 +12,18 @@ from tokenweir.config import EngineArgs
 from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine.core import EngineCore
 from tokenweir.engine.output import RequestOutput
-from tokenweir.request import SamplingParams
+from tokenweir.request import SamplingParams, SchedulingHints
 
-PromptType = Union[str, dict[str, list[int]]]
+# A string, or {"prompt": str} / {"prompt_token_ids": [...]} with an optional "cache_salt" (vLLM's).
+PromptType = Union[str, dict[str, Any]]
 Message = dict[str, str]
+
+
+@dataclass(slots=True)
+class _Prompt:
+    text: Optional[str]  # what the output processor shows as the prompt
+    prompt: Union[str, list[int]]  # what the engine tokenizes (or takes as ids)
+    cache_salt: Optional[str] = None
 
 
 class LLM:
@@ -58,17 +67,28 @@ class LLM:
                    for c in conversations]
         # The template already carries BOS where the model wants one.
         token_ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self._run(list(zip(prompts, token_ids)), sampling_params, None, use_tqdm)
+        return self._run([_Prompt(text, ids) for text, ids in zip(prompts, token_ids)],
+                         sampling_params, None, use_tqdm)
 
     @staticmethod
-    def _prompt_of(prompt: PromptType) -> tuple[Optional[str], Union[str, list[int]]]:
+    def _prompt_of(prompt: PromptType) -> _Prompt:
         if isinstance(prompt, str):
-            return prompt, prompt
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return None, list(prompt["prompt_token_ids"])
-        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+            return _Prompt(prompt, prompt)
+        if isinstance(prompt, dict) and ("prompt_token_ids" in prompt) != ("prompt" in prompt):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
+            if unknown:
+                raise ValueError(f"unknown prompt keys {sorted(unknown)}; a prompt dict takes 'prompt' or "
+                                 "'prompt_token_ids', and optionally 'cache_salt'")
+            salt = prompt.get("cache_salt")
+            if "prompt" in prompt:
+                if not isinstance(prompt["prompt"], str):
+                    raise ValueError(f"'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+                return _Prompt(prompt["prompt"], prompt["prompt"], salt)
+            return _Prompt(None, list(prompt["prompt_token_ids"]), salt)
+        raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]} "
+                         f"(optionally with 'cache_salt'), got {prompt!r:.80}")
 
-    def _run(self, prompts: list[tuple[Optional[str], Union[str, list[int]]]],
+    def _run(self, prompts: list[_Prompt],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]],
              priority: Optional[Sequence[int]], use_tqdm: bool) -> list[RequestOutput]:
         n = len(prompts)
@@ -85,12 +105,14 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * n
         if len(priorities) != n:
             raise ValueError(f"got {len(priorities)} priorities for {n} prompts")
+        # Built (and so validated) before anything is queued.
+        hints = [SchedulingHints(priority=prio, cache_salt=p.cache_salt) for p, prio in zip(prompts, priorities)]
 
         engine = self.engine
         ids = [str(next(self._counter)) for _ in range(n)]
         try:
-            for rid, (text, prompt), p, prio in zip(ids, prompts, params, priorities):
-                engine.add_request(rid, prompt, p, priority=prio, prompt_text=text)
+            for rid, prompt, p, h in zip(ids, prompts, params, hints):
+                engine.add_request(rid, prompt.prompt, p, h, prompt_text=prompt.text)
             finished = self._run_to_completion(ids, use_tqdm)
         except BaseException:
             # A bad input, a failed step or Ctrl-C: none of this call's requests stays behind

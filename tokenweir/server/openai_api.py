@@ -289,8 +289,8 @@ class OpenAIServer:
                      ids: list[int], params: SamplingParams, arrival: float, chat: bool) -> _Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
-            outputs = await self.engine.add_request(request_id, ids, params, prompt_text=text,
-                                                    **body.scheduling_kwargs(arrival))
+            outputs = await self.engine.add_request(request_id, ids, params, body.scheduling_hints(arrival),
+                                                    prompt_text=text)
         except ValueError as e:
             raise _bad_request(str(e), "messages" if chat else "prompt") from e
         except (EngineDeadError, RequestFailedError) as e:

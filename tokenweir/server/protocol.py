@@ -11,7 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from tokenweir.request import SamplingParams
+from tokenweir.request import SamplingParams, SchedulingHints
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -57,6 +57,8 @@ class GenerationRequest(BaseModel):
     deadline_ms: Optional[Number] = Field(default=None, gt=0)
     ttft_slo_ms: Optional[Number] = Field(default=None, gt=0)
     tpot_slo_ms: Optional[Number] = Field(default=None, gt=0)
+    # vLLM's field: requests with different salts never share prefix-cache blocks.
+    cache_salt: Optional[StrictStr] = None
 
     def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         """Raises ValueError (from SamplingParams' checks) for values out of range."""
@@ -71,15 +73,14 @@ class GenerationRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, n=self.n)
 
-    def scheduling_kwargs(self, arrival_time: float) -> dict[str, Any]:
-        """EngineCore.add_request's scheduling arguments (times in seconds, deadline absolute)."""
+    def scheduling_hints(self, arrival_time: float) -> SchedulingHints:
+        """The request's scheduling hints (times in seconds). Raises ValueError out of range."""
         def seconds(ms: Optional[float]) -> Optional[float]:
             return None if ms is None else ms / 1000.0
 
-        deadline = seconds(self.deadline_ms)
-        return dict(priority=self.priority, tenant=self.tenant, arrival_time=arrival_time,
-                    deadline=None if deadline is None else arrival_time + deadline,
-                    ttft_slo=seconds(self.ttft_slo_ms), tpot_slo=seconds(self.tpot_slo_ms))
+        return SchedulingHints(priority=self.priority, tenant=self.tenant, arrival_time=arrival_time,
+                               deadline=seconds(self.deadline_ms), ttft_slo=seconds(self.ttft_slo_ms),
+                               tpot_slo=seconds(self.tpot_slo_ms), cache_salt=self.cache_salt)
 
     @property
     def include_usage(self) -> bool:

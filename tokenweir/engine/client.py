@@ -1,0 +1,59 @@
+"""EngineClient: what the HTTP server needs from an engine, and nothing more.
+
+`AsyncLLMEngine` (one engine in this process) implements it; a multi-replica cluster implements
+it too, so the server never depends on which one it serves from or reaches into its internals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncGenerator, Optional, Protocol, Union, runtime_checkable
+
+from prometheus_client import CollectorRegistry
+
+from tokenweir.core.scheduler import SchedulerStats
+from tokenweir.engine.output import RequestOutput
+from tokenweir.request import SamplingParams, SchedulingHints
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a client may learn about the served model (never a local path)."""
+
+    name: str
+    max_model_len: int  # the longest request (prompt + output) the engine accepts
+    vocab_size: int
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    @property
+    def model_info(self) -> ModelInfo: ...
+
+    @property
+    def tokenizer(self) -> Any:
+        """A tokenizer the caller's threads may use (encode, decode, apply_chat_template)."""
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def dead_error(self) -> Optional[BaseException]:
+        """Why the engine stopped, or None while it runs."""
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry: ...
+
+    def num_waiting_requests(self) -> int:
+        """Requests accepted but not running yet (including those still on their way in)."""
+
+    async def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
+                          hints: SchedulingHints = SchedulingHints(), *,
+                          prompt_text: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
+        """Queue a request once the engine accepted it; returns its cumulative outputs.
+        Raises ValueError for bad input; leaving the generator early aborts the request."""
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; unknown or finished ids are ignored."""
+
+    def get_stats(self) -> SchedulerStats: ...
