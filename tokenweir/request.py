@@ -49,8 +49,22 @@ _FINISH_REASONS = {
 }
 
 
+class ParameterError(ValueError):
+    """A request parameter out of range; `param` names it (as a client spells it), so the
+    server can answer with OpenAI's `param` field without parsing the message."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 # Integer knobs end up in int64 tensors (top_k, stop ids) or a 64-bit generator seed.
 _INT64_LIMIT = 2**63
+
+# Bounds on the stop conditions a request may carry (checked after every token).
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 # Priorities are bounded so that scores built from them (the SLA policy) stay finite and exact.
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
@@ -60,13 +74,13 @@ MAX_KEY_CHARS = 256
 
 def _check_key(name: str, value: object) -> None:
     if value is not None and (not isinstance(value, str) or not 0 < len(value) <= MAX_KEY_CHARS):
-        raise ValueError(f"{name} must be a non-empty string of at most {MAX_KEY_CHARS} characters "
+        raise ParameterError(name, f"{name} must be a non-empty string of at most {MAX_KEY_CHARS} characters "
                          f"or None, got {value!r:.80}")
 
 
 def _check_seconds(name: str, value: object) -> None:
     if value is not None and (not is_finite_number(value) or value <= 0):
-        raise ValueError(f"{name} must be a finite number of seconds > 0 or None, got {value!r}")
+        raise ParameterError(name, f"{name} must be a finite number of seconds > 0 or None, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,14 +104,14 @@ class SchedulingHints:
 
     def __post_init__(self) -> None:
         if not is_integer(self.priority) or not PRIORITY_MIN <= self.priority <= PRIORITY_MAX:
-            raise ValueError(f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
+            raise ParameterError("priority", f"priority must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}], "
                              f"got {self.priority!r}")
         _check_key("tenant", self.tenant)
         _check_key("cache_salt", self.cache_salt)
         for name in ("deadline", "ttft_slo", "tpot_slo"):
             _check_seconds(name, getattr(self, name))
         if self.arrival_time is not None and not is_finite_number(self.arrival_time):
-            raise ValueError(f"arrival_time must be a finite number or None, got {self.arrival_time!r}")
+            raise ParameterError("arrival_time", f"arrival_time must be a finite number or None, got {self.arrival_time!r}")
 
     def to_dict(self) -> dict[str, object]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -141,7 +155,7 @@ class SamplingParams:
         elif isinstance(self.stop, (list, tuple)):
             self.stop = list(self.stop)
         else:
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+            raise ParameterError("stop", f"stop must be a non-empty string or a list of them, got {self.stop!r:.200}")
         if isinstance(self.stop_token_ids, (list, tuple)):
             self.stop_token_ids = list(self.stop_token_ids)
         elif self.stop_token_ids is None:
@@ -151,36 +165,43 @@ class SamplingParams:
     def _validate(self) -> None:
         is_int, is_num = is_integer, is_finite_number
         if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
+            raise ParameterError("n", f"n must be 1 (parallel sampling is not supported), got {self.n!r}")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
+            raise ParameterError("max_tokens", f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+            raise ParameterError("min_tokens", f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
+            raise ParameterError(
+                "min_tokens", f"min_tokens must be <= max_tokens, got min_tokens={self.min_tokens} "
                 f"and max_tokens={self.max_tokens}")
         if not is_num(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
+            raise ParameterError("temperature", f"temperature must be a number >= 0, got {self.temperature!r}")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise ParameterError("top_p", f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int(self.top_k) or not -1 <= self.top_k < _INT64_LIMIT:
-            raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer below 2**63, got {self.top_k!r}")
+            raise ParameterError("top_k", f"top_k must be -1 or 0 (off) or a positive integer below 2**63, got {self.top_k!r}")
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
-        if not isinstance(self.stop_token_ids, list) or not all(
-                is_int(t) and 0 <= t < _INT64_LIMIT for t in self.stop_token_ids):
-            raise ValueError(
-                f"stop_token_ids must be a list of non-negative integers, got {self.stop_token_ids!r}")
+            raise ParameterError("min_p", f"min_p must be in [0, 1], got {self.min_p!r}")
+        # Every stop string is searched in the text after each token, and every stop id checked:
+        # unbounded lists would let one request slow every other stream down.
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ParameterError("stop", f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop):
+            raise ParameterError("stop", "stop must be a string or a list of strings, each of 1 to "
+                                 f"{MAX_STOP_STRING_CHARS} characters, got {self.stop!r:.200}")
+        if not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} "
+                                 f"token ids, got {self.stop_token_ids!r:.200}")
+        if not all(is_int(t) and 0 <= t < _INT64_LIMIT for t in self.stop_token_ids):
+            raise ParameterError("stop_token_ids", "stop_token_ids must be a list of non-negative integers, "
+                                 f"got {self.stop_token_ids!r:.200}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+                raise ParameterError(name, f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.seed is not None and (not is_int(self.seed) or not -_INT64_LIMIT <= self.seed < 2 * _INT64_LIMIT):
-            raise ValueError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
+            raise ParameterError("seed", f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise ValueError(f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
+            raise ParameterError("logprobs", f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,7 +1,7 @@
 import pytest
 
 from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig, parse_size
-from tokenweir.request import Request, RequestStatus, SamplingParams
+from tokenweir.request import ParameterError, Request, RequestStatus, SamplingParams, SchedulingHints
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -17,9 +17,12 @@ from tokenweir.request import Request, RequestStatus, SamplingParams
     (dict(top_p=1.5), r"top_p must be in \(0, 1\]"),
     (dict(top_k=-2), "top_k must be -1 or 0"),
     (dict(min_p=1.5), r"min_p must be in \[0, 1\]"),
-    (dict(stop=[""]), "stop must be a non-empty string"),
+    (dict(stop=[""]), "stop must be a string or a list of strings, each of 1 to 1024 characters"),
+    (dict(stop=["x" * 1025]), "each of 1 to 1024 characters"),
+    (dict(stop=["s"] * 257), "stop may hold at most 256 strings, got 257"),
+    (dict(stop_token_ids=[7] * 1025), "stop_token_ids must be a list of at most 1024 token ids"),
     (dict(stop=5), "stop must be a non-empty string or a list of them, got 5"),
-    (dict(stop_token_ids=5), "stop_token_ids must be a list of non-negative integers, got 5"),
+    (dict(stop_token_ids=5), "stop_token_ids must be a list of at most 1024 token ids, got 5"),
     (dict(ignore_eos="yes"), "ignore_eos must be true or false, got 'yes'"),
     (dict(skip_special_tokens=1), "skip_special_tokens must be true or false"),
     (dict(stop_token_ids=[-1]), "stop_token_ids must be a list of non-negative integers"),
@@ -31,8 +34,44 @@ from tokenweir.request import Request, RequestStatus, SamplingParams
     (dict(n=2), "n must be 1"),
 ])
 def test_sampling_params_validation(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ParameterError, match=message) as info:
         SamplingParams(**kwargs)
+    assert info.value.param == next(iter(kwargs))  # the field a client would fix
+
+
+def test_sampling_params_limits_are_inclusive():
+    SamplingParams(stop=["x" * 1024] * 256, stop_token_ids=[7] * 1024)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(priority=2**31), r"priority must be an integer in \[-2147483648, 2147483647\], got 2147483648"),
+    (dict(priority=-(2**31) - 1), "priority must be an integer in"),
+    (dict(priority=True), "priority must be an integer in"),
+    (dict(deadline=float("inf")), "deadline must be a finite number of seconds > 0"),
+    (dict(ttft_slo=0), "ttft_slo must be a finite number of seconds > 0"),
+    (dict(tpot_slo=float("nan")), "tpot_slo must be a finite number of seconds > 0"),
+    (dict(tenant=""), "tenant must be a non-empty string of at most 256 characters"),
+    (dict(cache_salt="s" * 257), "cache_salt must be a non-empty string of at most 256"),
+    (dict(arrival_time=float("inf")), "arrival_time must be a finite number"),
+])
+def test_scheduling_hints_validation(kwargs, message):
+    with pytest.raises(ParameterError, match=message) as info:
+        SchedulingHints(**kwargs)
+    assert info.value.param == next(iter(kwargs))
+
+
+def test_scheduling_hints_round_trip_through_a_dict():
+    hints = SchedulingHints(priority=-3, tenant="acme", deadline=2.5, ttft_slo=0.2, tpot_slo=0.05,
+                            cache_salt="salt", arrival_time=12.0)
+    assert SchedulingHints.from_dict(hints.to_dict()) == hints
+    with pytest.raises(ValueError, match=r"unknown scheduling hints \['colour'\]"):
+        SchedulingHints.from_dict({"colour": "red"})
+
+
+def test_request_reads_its_hints():
+    r = Request("r", [1, 2], arrival_time=10.0,
+                hints=SchedulingHints(priority=2, tenant="t", deadline=3.0, cache_salt="s"))
+    assert (r.priority, r.tenant, r.deadline, r.cache_salt, r.ttft_slo) == (2, "t", 13.0, "s", None)
 
 
 def test_sampling_params_normalises_stop():

@@ -31,14 +31,12 @@ import tokenweir
 from tokenweir.config import EngineArgs
 from tokenweir.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from tokenweir.engine.output import RequestOutput
-from tokenweir.request import SamplingParams
+from tokenweir.request import ParameterError, SamplingParams
 from tokenweir.server.protocol import (ChatCompletionRequest, CompletionRequest, ErrorInfo,
                                        ErrorResponse, GenerationRequest)
 
 RETRY_AFTER_S = 1
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
-_SAMPLING_FIELDS = {"max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "stop",
-                    "stop_token_ids", "seed", "logprobs", "n"}
 
 
 class APIError(Exception):
@@ -213,9 +211,8 @@ class OpenAIServer:
     def sampling_params(body: GenerationRequest, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
         try:
             return body.sampling_params(max_tokens, logprobs)
-        except ValueError as e:
-            first_word = str(e).split(" ", 1)[0]
-            raise _bad_request(str(e), first_word if first_word in _SAMPLING_FIELDS else None) from e
+        except ParameterError as e:
+            raise _bad_request(str(e), e.param) from e
 
     # ------------------------------------------------------------ prompts
     # Tokenizing and rendering run in worker threads (asyncio.to_thread). They may overlap: the
