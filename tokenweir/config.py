@@ -1,4 +1,4 @@
-"""Engine arguments (vLLM's names) and the three configs they resolve into.
+"""Engine arguments (vLLM's names) and the two configs they resolve into.
 
 `EngineArgs` is what users set; `create_engine_configs()` fills defaults that depend on the
 model (max_model_len) and checks that the knobs agree with each other. No torch here.
@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 from tokenweir.checks import is_finite_number, is_integer
-from tokenweir.core.queues import POLICIES
+from tokenweir.core.policies import POLICIES
 
 PREEMPTION_MODES = ("recompute",)  # swap arrives with its own issue; SchedulerOutput has the seam
 
@@ -63,6 +63,10 @@ class SchedulerConfig:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running request needs at least one token per step")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
@@ -109,15 +113,6 @@ class CacheConfig:
 
 
 @dataclass
-class ModelConfig:
-    model: Optional[str]  # None: the embedded default model
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    served_model_name: Optional[str] = None
-
-
-@dataclass
 class EngineArgs:
     """All engine knobs, named as in vLLM (`--max-num-batched-tokens` on the CLI)."""
 
@@ -128,7 +123,7 @@ class EngineArgs:
     seed: int = 0
     max_model_len: Optional[int] = None
     max_num_batched_tokens: Optional[int] = None
-    max_num_seqs: int = 256
+    max_num_seqs: Optional[int] = None  # None: 256, or the token budget if that is smaller
     block_size: int = 16
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -165,7 +160,7 @@ class EngineArgs:
 
     def create_engine_configs(
         self, model_max_len: int, num_blocks: int
-    ) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+    ) -> tuple[CacheConfig, SchedulerConfig]:
         """Resolve defaults against the model (its context length) and the KV pool size."""
         capacity = num_blocks * self.block_size
         # Unset, max_model_len is the model's context, shrunk to what the pool holds (a small
@@ -179,9 +174,7 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) is larger than the KV cache can hold ({num_blocks} "
                 f"blocks x {self.block_size} = {capacity} tokens); raise kv_cache_memory / "
                 "num_gpu_blocks_override or lower max_model_len")
-        model = ModelConfig(model=self.model, dtype=self.dtype, device=self.device, seed=self.seed,
-                            served_model_name=self.served_model_name)
-        return (model, *self._scheduler_and_cache_configs(max_model_len, num_blocks))
+        return self._scheduler_and_cache_configs(max_model_len, num_blocks)
 
     def _scheduler_and_cache_configs(self, max_model_len: Optional[int],
                                      num_blocks: int) -> tuple[CacheConfig, SchedulerConfig]:
@@ -192,7 +185,8 @@ class EngineArgs:
         cache = CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                             enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark,
                             preemption_mode=self.preemption_mode, swap_space=self.swap_space)
-        scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=self.max_num_seqs,
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else min(256, budget)
+        scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                     max_model_len=max_model_len, policy=self.scheduling_policy,
                                     enable_chunked_prefill=self.enable_chunked_prefill,
                                     long_prefill_token_threshold=self.long_prefill_token_threshold)

@@ -227,6 +227,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # The most tokens whose K/V were ever computed for it: below this, a recompute preemption
+    # makes it compute tokens again (which fair-share accounting does not charge).
+    max_computed_tokens: int = 0
     num_cached_tokens: int = -1  # -1 until the first admission looks the prefix up
     num_preemptions: int = 0
     stop_reason: Union[None, int, str] = None  # the stop token id or stop string that ended it

@@ -3,29 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.block_pool import BlockPool
 from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.policies import SchedulingPolicy
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
 from tokenweir.request import Request, SamplingParams, SchedulingHints
 
 EOS = 2
 
 
-def create_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: int = 16,
+def create_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: Optional[int] = None,
                      max_model_len: Optional[int] = None, num_blocks: int = 64, block_size: int = 4,
-                     policy: str = "fcfs", enable_chunked_prefill: bool = True,
+                     policy: Union[str, SchedulingPolicy] = "fcfs", enable_chunked_prefill: bool = True,
                      long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
                      watermark: float = 0.0) -> Scheduler:
+    """A scheduler on tiny limits; `policy` is a registered name or a policy object to inject.
+    `max_num_seqs` defaults to 16, or the budget if that is smaller (the budget must cover it)."""
+    if max_num_seqs is None:
+        max_num_seqs = min(16, max_num_batched_tokens)
     return Scheduler(
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                        max_model_len=max_model_len, policy=policy,
+                        max_model_len=max_model_len, policy=policy if isinstance(policy, str) else "fcfs",
                         enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold),
         CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                    enable_prefix_caching=enable_prefix_caching, watermark=watermark))
+                    enable_prefix_caching=enable_prefix_caching, watermark=watermark),
+        policy=None if isinstance(policy, str) else policy)
 
 
 def make_request(request_id: str, prompt: list[int] | int, *, max_tokens: Optional[int] = 4,
@@ -153,12 +159,17 @@ def assert_pool_released(pool: BlockPool) -> None:
 
 
 def assert_kv_released(kv: KVCacheManager) -> None:
-    assert kv.req_to_blocks == {}
+    """No request holds blocks or a published-block count; every cached block is free and
+    indexed under its own key."""
+    assert kv.req_to_blocks == {} and kv.num_cached_blocks == {}
     assert_pool_released(kv.block_pool)
+    for block_hash, block in kv.block_pool.cached_block_hash_to_block.items():
+        assert block.block_hash == block_hash
 
 
 def assert_no_leaks(scheduler: Scheduler) -> None:
-    """After a test: nothing queued or running, every block free with ref count 0."""
+    """After a test: nothing queued, running or in flight, every block free with ref count 0."""
     assert not scheduler.has_unfinished_requests(), list(scheduler.requests)
     assert len(scheduler.waiting) == 0 and scheduler.running == []
+    assert scheduler._in_flight is None, "a scheduled step was neither applied nor failed"
     assert_kv_released(scheduler.kv_cache_manager)

@@ -1,8 +1,9 @@
+from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks
 from tests.core.helpers import make_request
 
 
 def ids(blocks):
-    return [b.block_id for b in blocks]
+    return blocks.get_block_ids() if isinstance(blocks, KVCacheBlocks) else [b.block_id for b in blocks]
 
 
 def admit(kv, request, num_new=None):
@@ -24,10 +25,10 @@ def test_prefix_hit_shares_blocks_and_counts_refs(make_kv):
     admit(kv, a)
     hits, num_hit = admit(kv, b)
     assert num_hit == 8 and ids(hits) == kv.get_block_ids("a")[:2]
-    assert [blk.ref_cnt for blk in hits] == [2, 2]
+    assert [blk.ref_cnt for blk in hits.blocks] == [2, 2]
     assert kv.prefix_cache_stats.queries == 11 + 13 and kv.prefix_cache_stats.hits == 8
     kv.free(a)
-    assert [blk.ref_cnt for blk in hits] == [1, 1]
+    assert [blk.ref_cnt for blk in hits.blocks] == [1, 1]
     kv.free(b)
     assert kv.get_num_free_blocks() == 10
 
@@ -47,7 +48,7 @@ def test_cache_salt_separates_identical_prompts(make_kv):
     a = make_request("a", list(range(9)))
     admit(kv, a)
     b = make_request("b", list(range(9)), cache_salt="tenant-b")
-    assert kv.get_computed_blocks(b) == ([], 0)
+    assert kv.get_computed_blocks(b) == (EMPTY_BLOCKS, 0)
     kv.free(a)
 
 
@@ -65,7 +66,7 @@ def test_allocation_is_all_or_nothing_and_counts_free_hits_against_capacity(make
     assert [(blk.block_id, blk.ref_cnt, blk.block_hash) for blk in kv.block_pool.blocks] == before
     assert "b" not in kv.req_to_blocks and kv.get_num_free_blocks() == 4
     # A smaller chunk fits: 2 hits + 1 new block.
-    assert len(kv.allocate_slots(b, 4, hits, num_hit)) == 1
+    assert kv.allocate_slots(b, 4, hits, num_hit).num_blocks == 1
     assert kv.get_num_free_blocks() == 1
     kv.free(b)
 
@@ -105,7 +106,7 @@ def test_generated_tokens_fill_and_publish_blocks(make_kv):
     a = make_request("a", [1, 2, 3])
     admit(kv, a)
     a.append_output_token(4, now=0.0)  # 4 tokens: the decode step will fill block 0
-    assert kv.allocate_slots(a, 1) == []
+    assert kv.allocate_slots(a, 1) == EMPTY_BLOCKS
     b = make_request("b", [1, 2, 3, 4, 5])
     assert kv.get_computed_blocks(b)[1] == 0  # not published before it is computed
     a.num_computed_tokens += 1

@@ -3,8 +3,8 @@
 import pytest
 
 from tests.core.helpers import PagedFakeRunner, make_request, reference_stream, run_until_done, step
-from tokenweir.core import queues
-from tokenweir.core.queues import FCFSPolicy, FCFSQueue, KeyedQueue, priority_key
+from tokenweir.core.policies import POLICIES, FCFSPolicy, create_policy, priority_key
+from tokenweir.core.queues import FCFSQueue, KeyedQueue
 from tokenweir.request import Request
 
 
@@ -58,13 +58,12 @@ class _PreemptiveFCFS(FCFSPolicy):
 
     name = "test-preemptive-fcfs"
 
-    def may_preempt(self, waiting: Request, victim: Request) -> bool:
+    def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:
         return waiting.priority < victim.priority
 
 
-def test_a_new_policy_plugs_in_and_its_victim_is_not_mistaken_for_the_preemptor(make_scheduler, monkeypatch):
-    monkeypatch.setitem(queues.POLICIES, _PreemptiveFCFS.name, _PreemptiveFCFS)
-    s = make_scheduler(policy=_PreemptiveFCFS.name, max_num_seqs=1)
+def test_a_new_policy_plugs_in_and_its_victim_is_not_mistaken_for_the_preemptor(make_scheduler):
+    s = make_scheduler(policy=_PreemptiveFCFS(), max_num_seqs=1)
     runner = PagedFakeRunner(s.block_size)
     low = make_request("low", 6, max_tokens=5, priority=1)
     high = make_request("high", 6, max_tokens=5, priority=0)
@@ -79,6 +78,6 @@ def test_a_new_policy_plugs_in_and_its_victim_is_not_mistaken_for_the_preemptor(
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, 5)
 
 
-@pytest.mark.parametrize("name", sorted(queues.POLICIES))
+@pytest.mark.parametrize("name", sorted(POLICIES))
 def test_every_policy_is_reachable_by_name(name):
-    assert queues.create_policy(name).name == name
+    assert create_policy(name).name == name

@@ -116,23 +116,35 @@ def test_chunking_off_needs_a_budget_of_max_model_len():
     (lambda: EngineArgs(enable_prefix_caching="no"), "enable_prefix_caching must be true or false, got 'no'"),
     (lambda: EngineArgs(gpu_memory_utilization=1.5), r"gpu_memory_utilization must be in \(0, 1\], got 1.5"),
     (lambda: EngineArgs(enable_chunked_prefill="false"), "enable_chunked_prefill must be true or false"),
+    # Some running requests would get no token in a step (vLLM refuses this too).
+    (lambda: SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=16),
+     r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"),
+    (lambda: EngineArgs(max_num_batched_tokens=8, max_num_seqs=16),
+     r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"),
 ])
 def test_config_errors_name_the_setting(make, message):
     with pytest.raises(ValueError, match=message):
         make()
 
 
+def test_an_unset_sequence_cap_follows_a_small_budget():
+    _, sched = EngineArgs(max_num_batched_tokens=24).create_engine_configs(model_max_len=8192, num_blocks=1024)
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (24, 24)
+    _, sched = EngineArgs().create_engine_configs(model_max_len=8192, num_blocks=1024)
+    assert (sched.max_num_batched_tokens, sched.max_num_seqs) == (2048, 256)
+
+
 def test_engine_args_resolve_against_model_and_pool():
-    model, cache, sched = EngineArgs(max_num_seqs=8).create_engine_configs(model_max_len=8192, num_blocks=1024)
+    cache, sched = EngineArgs(max_num_seqs=8).create_engine_configs(model_max_len=8192, num_blocks=1024)
     assert sched.max_model_len == 8192 and sched.max_num_batched_tokens == 2048
-    assert cache.num_blocks == 1024 and model.model is None
+    assert cache.num_blocks == 1024
     with pytest.raises(ValueError, match=r"max_model_len \(8192\) is larger than the KV cache can hold"):
         EngineArgs(max_model_len=8192).create_engine_configs(model_max_len=8192, num_blocks=100)
-    _, _, sched = EngineArgs().create_engine_configs(model_max_len=8192, num_blocks=100)
+    _, sched = EngineArgs().create_engine_configs(model_max_len=8192, num_blocks=100)
     assert sched.max_model_len == 1600  # unset: shrunk to the pool
     with pytest.raises(ValueError, match=r"exceeds the model's context length \(2048\)"):
         EngineArgs(max_model_len=4096).create_engine_configs(model_max_len=2048, num_blocks=1000)
-    _, _, sched = EngineArgs(enable_chunked_prefill=False, max_model_len=4096).create_engine_configs(
+    _, sched = EngineArgs(enable_chunked_prefill=False, max_model_len=4096).create_engine_configs(
         model_max_len=8192, num_blocks=1000)
     assert sched.max_num_batched_tokens == 4096
 

@@ -260,7 +260,7 @@ def test_prefix_cache_disabled_never_hits(make_scheduler):
         assert s.get_stats().prefix_cache.hits == 0
 
 
-def test_requests_in_the_same_step_share_a_block_computed_in_that_step(make_scheduler):
+def test_a_later_request_shares_the_blocks_an_earlier_one_computed(make_scheduler):
     s = make_scheduler(max_num_batched_tokens=64)
     runner = PagedFakeRunner(s.block_size)
     prompt = list(range(300, 317))
@@ -271,8 +271,32 @@ def test_requests_in_the_same_step_share_a_block_computed_in_that_step(make_sche
     s.add_request(b)
     out = step(s, runner)
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}  # b hit 16 tokens, computes the last
+    assert s.kv_cache_manager.get_block_ids("b")[:4] == s.kv_cache_manager.get_block_ids("a")[:4]
     run_until_done(s, runner)
     assert a.output_token_ids == b.output_token_ids == reference_stream(prompt, 3)
+
+
+def test_requests_of_one_step_compute_the_same_prefix_apart_and_only_the_first_is_published(make_scheduler):
+    """Nothing is published before a step has run, so two identical prompts admitted in the same
+    step both compute it; the first copy becomes the cached one, the second stays private, and a
+    third request hits the first copy."""
+    s = make_scheduler(max_num_batched_tokens=64)
+    runner = PagedFakeRunner(s.block_size)
+    prompt = list(range(300, 317))
+    a, b = make_request("a", prompt, max_tokens=3), make_request("b", prompt, max_tokens=3)
+    s.add_request(a)
+    s.add_request(b)
+    out = step(s, runner)
+    assert out.num_scheduled_tokens == {"a": 17, "b": 17}
+    kv = s.kv_cache_manager
+    a_blocks, b_blocks = kv.get_block_ids("a"), kv.get_block_ids("b")
+    assert set(a_blocks).isdisjoint(b_blocks)
+    c = make_request("c", prompt, max_tokens=3)
+    s.add_request(c)
+    out = step(s, runner)
+    assert out.num_scheduled_tokens["c"] == 1 and kv.get_block_ids("c")[:4] == a_blocks[:4]
+    run_until_done(s, runner)
+    assert a.output_token_ids == b.output_token_ids == c.output_token_ids == reference_stream(prompt, 3)
 
 
 @pytest.mark.parametrize("state", ["waiting", "running", "mid_prefill", "preempted", "finished", "unknown"])
@@ -305,17 +329,27 @@ def test_abort_in_every_state_frees_everything(make_scheduler, state):
     elif state == "finished":
         target = make_request("t", 6, max_tokens=1)
         s.add_request(target)
-        run_until_done(s, runner)
-    out_before = s.get_stats()
+        step(s, runner)
+        assert target.status == RequestStatus.FINISHED_LENGTH
+    if state in ("finished", "unknown"):
+        # An abort that comes too late (or names nobody) changes nothing: not the finished
+        # request's status, and not the request that still runs.
+        s.add_request(other)
+        step(s, runner)
+        other_blocks = s.kv_cache_manager.get_block_ids("o")
     s.abort_requests(["t"], now=5.0)
     if state not in ("finished", "unknown"):
         assert target.status == RequestStatus.FINISHED_ABORTED and target.finish_reason == "abort"
         assert target.finished_time == 5.0
         assert "t" not in s.requests and "t" not in s.kv_cache_manager.req_to_blocks
-        out = step(s, runner) if s.has_unfinished_requests() else s.schedule()
+        out = step(s, runner)
         assert "t" in out.finished_req_ids
     else:
-        assert s.get_stats().num_running == out_before.num_running
+        if state == "finished":
+            assert target.status == RequestStatus.FINISHED_LENGTH and target.finished_time == 0.0
+        assert s.running == [other] and s.kv_cache_manager.get_block_ids("o") == other_blocks
+        out = step(s, runner)
+        assert "t" not in out.finished_req_ids and out.num_scheduled_tokens == {"o": 1}
     run_until_done(s, runner)
 
 

@@ -18,7 +18,7 @@ def workloads(draw):
     num_blocks = draw(st.integers(max(2, -(-8 // block_size)), 40))
     config = dict(
         max_num_batched_tokens=budget,
-        max_num_seqs=draw(st.integers(1, 6)),
+        max_num_seqs=draw(st.integers(1, min(6, budget))),
         block_size=block_size,
         num_blocks=num_blocks,
         policy=draw(st.sampled_from(["fcfs", "priority"])),

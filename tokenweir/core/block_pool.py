@@ -8,9 +8,9 @@ recently freed first) and only then drops the hash ("lazy eviction").
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import NewType, Optional
+from typing import Optional
 
-BlockHash = NewType("BlockHash", int)
+from tokenweir.core.block_hash import BlockHash
 
 
 class KVBlock:

@@ -1,19 +1,41 @@
 """Per-request block tables on top of the block pool: prefix lookup, allocation, free.
 
-Block hashes are chained: hash(parent hash, the block's token ids), with extra keys (the cache
-salt) folded into the first parent, so a block is only ever shared by requests whose whole
-prefix up to and including it is identical.
+Block keys are chained (core/block_hash.py): key(parent key, the block's token ids), with extra
+keys (the cache salt) folded into the first parent, so a block is only ever shared by requests
+whose whole prefix up to and including it is identical.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from tokenweir.core.block_pool import BlockHash, BlockPool, KVBlock
+from tokenweir.core.block_hash import BlockHasher
+from tokenweir.core.block_pool import BlockPool, KVBlock
 from tokenweir.request import Request
 
-_NO_PARENT = 0
+
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    """Blocks as the manager hands them to the scheduler: the scheduler passes them on and
+    reads their ids, never their internals. Today one device tier; a host tier (swap) or a
+    compressed group joins here without changing the scheduler loop."""
+
+    blocks: tuple[KVBlock, ...] = ()
+
+    def get_block_ids(self) -> list[int]:
+        return [b.block_id for b in self.blocks]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+
+EMPTY_BLOCKS = KVCacheBlocks()
 
 
 @dataclass
@@ -35,18 +57,13 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
-def hash_block_tokens(parent: int, token_ids: Sequence[int]) -> BlockHash:
-    # Python's hash of a tuple of ints is deterministic across processes and 64 bits wide:
-    # collisions among a pool's worth of blocks are vanishingly rare.
-    return BlockHash(hash((parent, tuple(token_ids))))
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 watermark_blocks: int = 0) -> None:
+                 watermark_blocks: int = 0, hasher: Optional[BlockHasher] = None) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.watermark_blocks = watermark_blocks
+        self.hasher = hasher or BlockHasher()
         self.block_pool = BlockPool(num_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are already published in the hash map.
@@ -72,23 +89,23 @@ class KVCacheManager:
         num_full = num_tokens // self.block_size
         if len(hashes) >= num_full:
             return
-        bs = self.block_size
+        bs, hasher = self.block_size, self.hasher
         if hashes:
             parent = hashes[-1]
         else:
-            parent = hash(("cache_salt", request.cache_salt)) if request.cache_salt else _NO_PARENT
+            parent = hasher.root((("cache_salt", request.cache_salt),) if request.cache_salt else ())
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
-            parent = hash_block_tokens(parent, tokens[i * bs:(i + 1) * bs])
+            parent = hasher.hash_block(parent, tokens[i * bs:(i + 1) * bs])
             hashes.append(parent)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of the request's tokens: (blocks, number of tokens).
 
         Pure read: nothing is touched or counted until `allocate_slots` admits the request.
         """
         if not self.enable_caching:
-            return [], 0
+            return EMPTY_BLOCKS, 0
         # Never hit the last token: its forward pass is what produces the logits for the next
         # token, so at least one token must always be computed.
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -99,16 +116,45 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        return hits, len(hits) * self.block_size
+        return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
+
+    def _num_new_blocks(self, request: Request, num_new_tokens: int, new_computed: KVCacheBlocks,
+                        num_new_computed_tokens: int) -> int:
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        num_owned = len(req_blocks) if req_blocks is not None else 0
+        num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_required = -(-num_total // self.block_size)
+        return max(0, num_required - num_owned - new_computed.num_blocks)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, new_computed: KVCacheBlocks = EMPTY_BLOCKS,
+                     num_new_computed_tokens: int = 0, *, apply_watermark: bool = False,
+                     freeing: Sequence[Request] = ()) -> bool:
+        """Whether `allocate_slots` would succeed, once the requests in `freeing` are freed.
+
+        Exact, not an estimate: a block of theirs only returns to the pool if no other request
+        still holds it, and a hit only they held turns into a free hit, which the allocation
+        then takes from the pool too.
+        """
+        released: Counter[int] = Counter()
+        blocks_by_id: dict[int, KVBlock] = {}
+        for other in freeing:
+            for block in self.req_to_blocks.get(other.request_id, ()):
+                released[block.block_id] += 1
+                blocks_by_id[block.block_id] = block
+        num_freed = sum(1 for bid, n in released.items() if blocks_by_id[bid].ref_cnt == n)
+        num_free_hits = sum(1 for b in new_computed.blocks if b.ref_cnt == released[b.block_id])
+        num_new = self._num_new_blocks(request, num_new_tokens, new_computed, num_new_computed_tokens)
+        reserve = self.watermark_blocks if apply_watermark else 0
+        return num_new + num_free_hits + reserve <= self.block_pool.get_num_free_blocks() + num_freed
 
     def allocate_slots(
         self,
         request: Request,
         num_new_tokens: int,
-        new_computed_blocks: Sequence[KVBlock] = (),
+        new_computed: KVCacheBlocks = EMPTY_BLOCKS,
         num_new_computed_tokens: int = 0,
         apply_watermark: bool = False,
-    ) -> Optional[list[KVBlock]]:
+    ) -> Optional[KVCacheBlocks]:
         """Make room for `num_new_tokens` more tokens of `request`; all or nothing.
 
         Block table after the call::
@@ -116,33 +162,28 @@ class KVCacheManager:
             | blocks it owns | new_computed_blocks (hits) | new blocks        |
             |<-- num_computed_tokens + num_new_computed -->|<- num_new_tokens ->|
 
-        Returns the newly taken blocks (possibly empty), or None, leaving everything unchanged,
+        Returns the newly taken blocks (possibly none), or None, leaving everything unchanged,
         if the pool cannot supply them. Hits with ref count 0 sit in the free queue, so taking
         them consumes free capacity too. With `apply_watermark` (admitting a waiting request),
         `watermark_blocks` must stay free afterwards; running requests may dip below it.
         """
-        req_blocks = self.req_to_blocks.get(request.request_id)
-        num_owned = len(req_blocks) if req_blocks is not None else 0
-        num_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_total = num_computed + num_new_tokens
-        num_required = -(-num_total // self.block_size)
-        num_new_blocks = max(0, num_required - num_owned - len(new_computed_blocks))
-        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        reserve = self.watermark_blocks if apply_watermark else 0
-        if num_new_blocks + num_free_hits + reserve > self.block_pool.get_num_free_blocks():
+        if not self.can_allocate(request, num_new_tokens, new_computed, num_new_computed_tokens,
+                                 apply_watermark=apply_watermark):
             return None
+        num_new_blocks = self._num_new_blocks(request, num_new_tokens, new_computed, num_new_computed_tokens)
 
+        req_blocks = self.req_to_blocks.get(request.request_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
             self.num_cached_blocks[request.request_id] = 0
-        if new_computed_blocks:
+        if new_computed:
             # Touch the hits before taking new blocks so that eviction cannot pick them.
-            self.block_pool.touch(new_computed_blocks)
-            req_blocks.extend(new_computed_blocks)
+            self.block_pool.touch(new_computed.blocks)
+            req_blocks.extend(new_computed.blocks)
             self.num_cached_blocks[request.request_id] = len(req_blocks)
         new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
         req_blocks.extend(new_blocks)
-        return new_blocks
+        return KVCacheBlocks(tuple(new_blocks))
 
     def cache_blocks(self, request: Request) -> None:
         """Publish the request's blocks that are full of computed tokens.

@@ -1,9 +1,4 @@
-"""Waiting queues and the scheduling policies that choose them.
-
-A policy is a small class: the waiting queue it orders by, which running request to preempt
-when KV blocks or sequence slots run out, and whether a waiting request may preempt a running
-one. The scheduler loop only talks to this interface, so a new policy is a new class here.
-"""
+"""Waiting queues: the orders a scheduling policy (core/policies/) admits requests in."""
 
 from __future__ import annotations
 
@@ -91,66 +86,3 @@ class KeyedQueue(RequestQueue):
 
     def __iter__(self) -> Iterator[Request]:
         return (e[2] for e in self._heap)
-
-
-class SchedulingPolicy(ABC):
-    name: str
-
-    @abstractmethod
-    def make_waiting_queue(self) -> RequestQueue: ...
-
-    @abstractmethod
-    def select_victim(self, running: list[Request]) -> Request:
-        """The running request to preempt when the pool or the sequence slots run out."""
-
-    def may_preempt(self, waiting: Request, victim: Request) -> bool:
-        """Whether `waiting` may take the place of the running `victim`."""
-        return False
-
-    def begin_step(self, now: float, waiting: RequestQueue, running: list[Request]) -> None:
-        """Hook for policies whose order depends on time or load."""
-
-
-class FCFSPolicy(SchedulingPolicy):
-    """Strict arrival order; the most recently admitted request is preempted first."""
-
-    name = "fcfs"
-
-    def make_waiting_queue(self) -> RequestQueue:
-        return FCFSQueue()
-
-    def select_victim(self, running: list[Request]) -> Request:
-        return running[-1]
-
-
-def priority_key(request: Request) -> tuple[int, float, str]:
-    # A total order: with ties left to list order, a re-admitted victim could outrank the
-    # request that preempted it, and two equal requests would preempt each other forever.
-    return (request.priority, request.arrival_time, request.request_id)
-
-
-class PriorityPolicy(SchedulingPolicy):
-    """Smaller `priority` first, then earlier arrival, then request id. The victim is the
-    running request that sorts last, and a waiting request may preempt any running request
-    that sorts after it."""
-
-    name = "priority"
-
-    def make_waiting_queue(self) -> RequestQueue:
-        return KeyedQueue(priority_key)
-
-    def select_victim(self, running: list[Request]) -> Request:
-        return max(running, key=priority_key)
-
-    def may_preempt(self, waiting: Request, victim: Request) -> bool:
-        return priority_key(waiting) < priority_key(victim)
-
-
-POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, PriorityPolicy)}
-
-
-def create_policy(name: str) -> SchedulingPolicy:
-    try:
-        return POLICIES[name]()
-    except KeyError:
-        raise ValueError(f"unknown scheduling policy {name!r}; choose one of {sorted(POLICIES)}") from None

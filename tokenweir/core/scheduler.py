@@ -1,21 +1,25 @@
 """The scheduler: one call decides one engine step.
 
 There are no prefill and decode phases. Each step every chosen request gets a number of tokens
-to compute (a prefill chunk or one decode token) within the token budget
-(`max_num_batched_tokens`) and the sequence cap (`max_num_seqs`): running requests first, then
-waiting ones in policy order. Time only enters as `now=` arguments, so the simulator and the
-real engine make the same decisions.
+to compute (a prefill chunk or one decode token) within the step's limits (a token budget and a
+sequence cap, from the batch controller): running requests first, then waiting ones in policy
+order. Time only enters as `now=` arguments, so the simulator and the real engine make the same
+decisions.
+
+A step is a transaction: every `schedule()` is followed by exactly one `update_from_output()`
+(it ran) or `fail_step()` (it did not), and nothing else is scheduled in between.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from tokenweir.config import CacheConfig, SchedulerConfig
-from tokenweir.core.block_pool import KVBlock
-from tokenweir.core.kv_cache_manager import KVCacheManager, PrefixCacheStats
-from tokenweir.core.queues import create_policy
+from tokenweir.core.batch_control import BatchController, StaticBatchController, StepLimits
+from tokenweir.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from tokenweir.core.policies import SchedulingPolicy, ServedRequest, create_policy
 from tokenweir.request import Request, RequestStatus, SamplingParams
 
 
@@ -43,6 +47,7 @@ class CachedRequestData:
 
 @dataclass
 class SchedulerOutput:
+    step_id: int
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
@@ -76,6 +81,7 @@ class SchedulerStats:
 class _StepState:
     """Bookkeeping of the step being built, so a preemption can undo a victim's share."""
 
+    limits: StepLimits
     budget: int
     num_scheduled: dict[str, int] = field(default_factory=dict)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -83,20 +89,39 @@ class _StepState:
     preempted: set[str] = field(default_factory=set)
 
 
+@dataclass
+class _InFlight:
+    """The step scheduled and not yet applied or failed: the very Request objects it scheduled,
+    so that a request aborted and re-added under the same id is never credited with them."""
+
+    step_id: int
+    requests: dict[str, Request]
+
+
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    """Parts are injectable (defaults from the configs): the policy, the KV cache manager and
+    the batch controller that sets each step's limits."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
+                 policy: Optional[SchedulingPolicy] = None,
+                 kv_cache_manager: Optional[KVCacheManager] = None,
+                 batch_controller: Optional[BatchController] = None) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
-        self.kv_cache_manager = KVCacheManager(
+        self.kv_cache_manager = kv_cache_manager or KVCacheManager(
             num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             watermark_blocks=cache_config.watermark_blocks)
-        self.policy = create_policy(scheduler_config.policy)
+        self.policy = policy or create_policy(scheduler_config.policy)
+        self.batch_controller = batch_controller or StaticBatchController(
+            StepLimits(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs))
         self.waiting = self.policy.make_waiting_queue()
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}  # every unfinished request
         self._finished_req_ids: set[str] = set()
+        self._step_ids = itertools.count()
+        self._in_flight: Optional[_InFlight] = None
         self.num_preemptions = 0
         # A request can never outgrow the pool, nor (without chunking) the step budget.
         limits = [cache_config.num_blocks * cache_config.block_size]
@@ -174,7 +199,11 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
-        step = _StepState(budget=self.config.max_num_batched_tokens)
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight.step_id} was neither applied (update_from_output) "
+                               "nor failed (fail_step): a step's results must be settled before the next")
+        limits = self._get_limits(now)
+        step = _StepState(limits=limits, budget=limits.max_num_batched_tokens)
         self.policy.begin_step(now, self.waiting, self.running)
 
         # 1. Running requests keep their place; each continues its prefill or decodes a token.
@@ -184,42 +213,91 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this step to make room for another
             num_new = self._cap_tokens(request.num_tokens - request.num_computed_tokens, step.budget)
-            blocks = self._allocate_or_preempt(request, num_new, step, admitting=False)
+            blocks = self._allocate_or_preempt(request, num_new, step, now)
             if blocks is not None:
                 self._schedule_tokens(request, num_new, blocks, step)
 
-        # 2. Waiting requests, in policy order, while budget, sequence slots and blocks last.
+        # 2. Waiting requests, in policy order, while budget, sequence slots and blocks last. One
+        # that cannot be admitted now keeps its place; the policy says how many may pass it.
+        passed_over: list[Request] = []
+        lookahead = self.policy.admission_lookahead()
         while self.waiting and step.budget > 0:
             # Off the queue while deciding: a victim preempted to make room for it goes back to
             # the queue's front, and must not be mistaken for it.
             request = self.waiting.pop()
-            if not self._try_admit(request, step, now):
-                self.waiting.push_front(request)
+            if self._try_admit(request, step, now):
+                continue
+            passed_over.append(request)
+            if len(passed_over) > lookahead or len(self.running) >= limits.max_num_seqs:
                 break
+        for request in reversed(passed_over):
+            self.waiting.push_front(request)
 
         return self._make_output(step)
 
-    def _try_admit(self, request: Request, step: _StepState, now: float) -> bool:
-        """Admit a waiting request and schedule its first chunk; False if it cannot run now.
+    def _get_limits(self, now: float) -> StepLimits:
+        limits = self.batch_controller.get_limits(now)
+        if (limits.max_num_batched_tokens > self.config.max_num_batched_tokens
+                or limits.max_num_seqs > self.config.max_num_seqs):
+            raise ValueError(f"the batch controller's {limits} exceed the configured maxima "
+                             f"(max_num_batched_tokens={self.config.max_num_batched_tokens}, "
+                             f"max_num_seqs={self.config.max_num_seqs})")
+        return limits
 
-        A victim preempted for its sequence slot stays preempted even if the request then finds
-        too few blocks; the checks that need no preemption come first to make that rare.
-        """
-        hits, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+    def _try_admit(self, request: Request, step: _StepState, now: float) -> bool:
+        """Admit a waiting request and schedule its first chunk; False, with nothing changed,
+        if it cannot run now."""
+        computed, num_hit = self.kv_cache_manager.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit
         if not self.config.enable_chunked_prefill and num_new > step.budget:
-            return False  # the whole prompt must go in one step: keep strict order, wait for room
-        if len(self.running) >= self.config.max_num_seqs and not self._preempt_for(request, step):
-            return False
+            return False  # the whole prompt must go in one step: wait for room
         num_new = self._cap_tokens(num_new, step.budget)
-        blocks = self._allocate_or_preempt(request, num_new, step, admitting=True,
-                                           hits=hits, num_hit=num_hit)
-        if blocks is None:
+        victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
+        if victims is None:
             return False
+        for victim in victims:
+            self._preempt(victim, step)
+        # An admission that preempted takes what its victims freed, the reserve included (see
+        # _plan_preemptions); otherwise it must leave the watermark free while others run.
+        blocks = self.kv_cache_manager.allocate_slots(
+            request, num_new, computed, num_hit, apply_watermark=not victims and bool(self.running))
+        if blocks is None:
+            raise RuntimeError(f"admitting {request.request_id!r} failed after its room was planned")
         self.kv_cache_manager.record_prefix_lookup(request, num_hit)
         self._admit(request, num_hit, now, step)
         self._schedule_tokens(request, num_new, blocks, step)
         return True
+
+    def _plan_preemptions(self, request: Request, num_new: int, computed: KVCacheBlocks, num_hit: int,
+                          step: _StepState, now: float) -> Optional[list[Request]]:
+        """The running requests to preempt so that a waiting request can be admitted: [] when it
+        fits as things are, None when it cannot be admitted this step. Nothing is preempted
+        unless that makes room: victims come in the policy's order, each one the policy lets
+        `request` displace, and only as many as its sequence slot and blocks need.
+
+        The watermark never causes a preemption: it is a reserve for the running requests'
+        growth, so a request that fits into the free blocks only by using the reserve waits.
+        Once a request must preempt anyway, it takes what its victims free.
+        """
+        kv = self.kv_cache_manager
+        needs_slot = len(self.running) >= step.limits.max_num_seqs
+        if not needs_slot:
+            if kv.can_allocate(request, num_new, computed, num_hit, apply_watermark=bool(self.running)):
+                return []
+            if kv.can_allocate(request, num_new, computed, num_hit):
+                return None  # only the reserve is short
+        victims: list[Request] = []
+        candidates = list(self.running)
+        while candidates:
+            victim = self.policy.select_victim(candidates, now)
+            if not self.policy.may_preempt(request, victim, now):
+                return None
+            candidates.remove(victim)
+            victims.append(victim)
+            if (len(self.running) - len(victims) < step.limits.max_num_seqs
+                    and kv.can_allocate(request, num_new, computed, num_hit, freeing=victims)):
+                return victims
+        return None
 
     def _cap_tokens(self, num_tokens: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold
@@ -227,37 +305,18 @@ class Scheduler:
             num_tokens = threshold
         return min(num_tokens, budget)
 
-    def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepState, *,
-                             admitting: bool, hits: Optional[list[KVBlock]] = None,
-                             num_hit: int = 0) -> Optional[list[KVBlock]]:
-        """Blocks for `num_new` tokens, preempting victims while the policy allows.
-
-        A running request preempts until it fits or it is itself the victim. A waiting request
-        only preempts victims the policy ranks below it. The watermark guards admissions only,
-        and only while something runs: with an empty engine it would protect nobody and could
-        keep a long request out forever.
-        """
+    def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepState,
+                             now: float) -> Optional[KVCacheBlocks]:
+        """Blocks for `num_new` more tokens of a running request, preempting victims in policy
+        order until they fit or the request itself is the victim (then None)."""
         while True:
-            blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new, hits or (), num_hit, apply_watermark=admitting and bool(self.running))
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new)
             if blocks is not None:
                 return blocks
-            if not self.running:
-                return None
-            victim = self.policy.select_victim(self.running)
-            if admitting and not self.policy.may_preempt(request, victim):
-                return None
+            victim = self.policy.select_victim(self.running, now)
             self._preempt(victim, step)
             if victim is request:
                 return None
-
-    def _preempt_for(self, request: Request, step: _StepState) -> bool:
-        """Free a sequence slot for a waiting request, if the policy ranks it above the victim."""
-        victim = self.policy.select_victim(self.running)
-        if not self.policy.may_preempt(request, victim):
-            return False
-        self._preempt(victim, step)
-        return True
 
     def _preempt(self, victim: Request, step: _StepState) -> None:
         """Recompute preemption: free the victim's blocks and send it back to wait. If it was
@@ -284,11 +343,11 @@ class Scheduler:
         step.admitted.add(request.request_id)
 
     @staticmethod
-    def _schedule_tokens(request: Request, num_new: int, blocks: list[KVBlock], step: _StepState) -> None:
+    def _schedule_tokens(request: Request, num_new: int, blocks: KVCacheBlocks, step: _StepState) -> None:
         step.num_scheduled[request.request_id] = num_new
         step.budget -= num_new
         if blocks:
-            step.new_block_ids[request.request_id] = [b.block_id for b in blocks]
+            step.new_block_ids[request.request_id] = blocks.get_block_ids()
 
     def _make_output(self, step: _StepState) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
@@ -307,51 +366,85 @@ class Scheduler:
             else:
                 cached_reqs.append(CachedRequestData(
                     rid, step.new_block_ids.get(rid, []), request.num_computed_tokens))
-        assert step.budget >= 0, "the token budget was overspent"
+        # Checked for real (not an assert, which `python -O` drops): a runner handed more than
+        # the budget may run out of activation memory.
+        limits = step.limits
+        if step.budget < 0 or len(step.num_scheduled) > limits.max_num_seqs:
+            raise RuntimeError(f"step overspent its limits: {limits.max_num_batched_tokens - step.budget} "
+                               f"tokens for {len(step.num_scheduled)} requests within {limits}")
         finished, self._finished_req_ids = self._finished_req_ids, set()
+        step_id = next(self._step_ids)
+        self._in_flight = _InFlight(step_id, {rid: self.requests[rid] for rid in step.num_scheduled})
         # A request preempted and re-admitted within one step is in both preempted_req_ids and
         # new_reqs: runners drop preempted state before taking in new requests.
         return SchedulerOutput(
-            scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
+            step_id=step_id, scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=step.num_scheduled,
-            total_num_scheduled_tokens=self.config.max_num_batched_tokens - step.budget,
+            total_num_scheduled_tokens=limits.max_num_batched_tokens - step.budget,
             preempted_req_ids=step.preempted, finished_req_ids=finished)
 
     # ------------------------------------------------------------------ results of a step
+
+    def _take_in_flight(self, scheduler_output: SchedulerOutput) -> _InFlight:
+        in_flight = self._in_flight
+        if in_flight is None or in_flight.step_id != scheduler_output.step_id:
+            raise ValueError(f"step {scheduler_output.step_id} is not the step in flight "
+                             f"({None if in_flight is None else in_flight.step_id}): already settled?")
+        return in_flight
 
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled_token_ids: dict[str, list[int]], now: float = 0.0) -> list[RequestUpdate]:
         """Advance each scheduled request by its computed tokens and append what was sampled.
 
         Tokens sampled for a request still mid-prefill are ignored. Requests that hit a stop
-        condition are finished and their blocks freed.
+        condition are finished and their blocks freed. If this raises, the step stays in flight
+        for `fail_step`, and no finished request is left among the running ones.
         """
+        in_flight = self._take_in_flight(scheduler_output)
         updates: list[RequestUpdate] = []
+        served: list[ServedRequest] = []
         any_finished = False
-        for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None:
-                continue  # aborted after it was scheduled
-            request.num_computed_tokens += num_tokens
-            self.kv_cache_manager.cache_blocks(request)
-            if request.num_computed_tokens < request.num_tokens:
-                continue
-            sampled = sampled_token_ids.get(request_id)
-            if not sampled:
-                raise RuntimeError(f"request {request_id!r} finished its prefill but no token was sampled")
-            new_token_ids = []
-            for token_id in sampled:
-                request.append_output_token(token_id, now)
-                new_token_ids.append(token_id)
-                status = self._check_stop(request, token_id)
-                if status is not None:
-                    self._finish(request, status, now)
-                    any_finished = True
-                    break
-            updates.append(RequestUpdate(request, new_token_ids))
-        if any_finished:
-            self.running = [r for r in self.running if not r.is_finished]
+        try:
+            for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
+                request = in_flight.requests[request_id]
+                if request.is_finished:
+                    continue  # aborted after it was scheduled (its id may already be reused)
+                start = request.num_computed_tokens
+                request.num_computed_tokens += num_tokens
+                num_recomputed = max(0, min(request.num_computed_tokens, request.max_computed_tokens) - start)
+                request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
+                self.kv_cache_manager.cache_blocks(request)
+                new_token_ids: list[int] = []
+                if request.num_computed_tokens == request.num_tokens:
+                    sampled = sampled_token_ids.get(request_id)
+                    if not sampled:
+                        raise RuntimeError(f"request {request_id!r} finished its prefill but no token was sampled")
+                    for token_id in sampled:
+                        request.append_output_token(token_id, now)
+                        new_token_ids.append(token_id)
+                        status = self._check_stop(request, token_id)
+                        if status is not None:
+                            self._finish(request, status, now)
+                            any_finished = True
+                            break
+                    updates.append(RequestUpdate(request, new_token_ids))
+                served.append(ServedRequest(request, num_tokens, num_recomputed, len(new_token_ids)))
+        finally:
+            if any_finished:
+                self.running = [r for r in self.running if not r.is_finished]
+        self._in_flight = None
+        self.policy.on_step_served(served, now)
         return updates
+
+    def fail_step(self, scheduler_output: SchedulerOutput, now: float = 0.0) -> list[Request]:
+        """The step did not run (or its results could not be applied): abort the requests it
+        scheduled that are still unfinished, freeing their blocks, and return them. Requests
+        the step did not schedule are untouched."""
+        in_flight = self._take_in_flight(scheduler_output)
+        self._in_flight = None
+        failed = [r for r in in_flight.requests.values() if not r.is_finished]
+        self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ABORTED, now)
+        return failed
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         params = request.sampling_params

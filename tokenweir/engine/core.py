@@ -53,7 +53,7 @@ class EngineCore:
         # generation_config adds to the primary EOS stop requests as stop token ids (as in vLLM).
         self._extra_eos_ids = [t for t in arch.eos_token_ids if t != arch.eos_token_id]
         num_blocks = _num_kv_blocks(args, self.loaded)
-        self.model_config, self.cache_config, self.scheduler_config = args.create_engine_configs(
+        self.cache_config, self.scheduler_config = args.create_engine_configs(
             arch.max_model_len, num_blocks)
         self.max_model_len = self.scheduler_config.max_model_len
         self.served_model_name = args.served_model_name or self.loaded.name
@@ -144,9 +144,13 @@ class EngineCore:
         scheduler_output = self.scheduler.schedule(now=time.time())
         if self.on_scheduled is not None:
             self.on_scheduled(scheduler_output)
-        runner_output = self.runner.execute_model(scheduler_output)
-        now = time.time()
-        updates = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids, now)
+        try:
+            runner_output = self.runner.execute_model(scheduler_output)
+            now = time.time()
+            updates = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids, now)
+        except BaseException:
+            self.scheduler.fail_step(scheduler_output, time.time())
+            raise
         stopped = []
         for update in updates:
             rid = update.request.request_id

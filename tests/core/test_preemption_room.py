@@ -1,0 +1,102 @@
+"""A waiting request preempts only when that makes room for it, and never for the watermark."""
+
+from tests.core.helpers import PagedFakeRunner, make_request, reference_stream, run_until_done, step
+from tokenweir.request import RequestStatus
+
+
+def test_no_preemption_for_a_request_that_still_would_not_fit(make_scheduler):
+    # 8 blocks of 4: "top" (more important than "mid") holds 4, "low" holds 2, 2 are free.
+    # "mid" needs 5 blocks: preempting "low" frees only 4, and "top" may not be displaced.
+    s = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=64)
+    runner = PagedFakeRunner(s.block_size)
+    top = make_request("top", 15, max_tokens=2, priority=0)
+    low = make_request("low", 7, max_tokens=2, priority=9)
+    s.add_request(top)
+    s.add_request(low)
+    step(s, runner)  # both prefilled; their next token needs no new block
+    mid = make_request("mid", 18, max_tokens=1, priority=5)
+    s.add_request(mid)
+    out = step(s, runner)
+    assert out.preempted_req_ids == set() and low.num_preemptions == 0
+    assert out.num_scheduled_tokens == {"top": 1, "low": 1}
+    run_until_done(s, runner)
+    for r in (top, low, mid):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+
+
+def test_no_preemption_for_a_sequence_slot_when_the_blocks_would_still_be_short(make_scheduler):
+    s = make_scheduler(policy="priority", num_blocks=8, max_num_seqs=2, max_num_batched_tokens=64)
+    runner = PagedFakeRunner(s.block_size)
+    top = make_request("top", 15, max_tokens=6, priority=0)
+    low = make_request("low", 7, max_tokens=6, priority=9)
+    s.add_request(top)
+    s.add_request(low)
+    step(s, runner)
+    mid = make_request("mid", 18, max_tokens=1, priority=5)  # 5 blocks; "low" frees 2 of them
+    s.add_request(mid)
+    out = step(s, runner)
+    assert out.preempted_req_ids == set() and low.num_preemptions == 0
+    assert out.num_scheduled_tokens == {"top": 1, "low": 1}
+    run_until_done(s, runner)
+    for r in (top, low, mid):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+
+
+def test_a_waiting_request_preempts_only_the_victims_it_needs(make_scheduler):
+    s = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=64)
+    runner = PagedFakeRunner(s.block_size)
+    lows = [make_request(f"low{i}", 7, max_tokens=8, priority=9, arrival_time=i) for i in range(3)]
+    for r in lows:
+        s.add_request(r)
+    step(s, runner)  # three requests of 2 blocks: 2 blocks free
+    high = make_request("high", 13, max_tokens=2, priority=0)  # 4 blocks: one victim is enough
+    s.add_request(high)
+    out = step(s, runner)
+    assert out.preempted_req_ids == {"low2"}  # the latest of the least important
+    assert [r.num_preemptions for r in lows] == [0, 0, 1]
+    run_until_done(s, runner)
+    for r in (*lows, high):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+
+
+def test_the_watermark_does_not_evict_a_running_request(make_scheduler):
+    # The issue's case: 10 blocks, watermark 0.2 (2 blocks), "low" holds 5, "high" needs 4 of
+    # the 5 free. Admitting "high" now would eat the reserve; evicting "low" for it would turn
+    # a reserve for running requests into a reason to preempt them. "high" waits.
+    s = make_scheduler(policy="priority", num_blocks=10, watermark=0.2, max_num_batched_tokens=64)
+    runner = PagedFakeRunner(s.block_size)
+    low = make_request("low", 17, max_tokens=3, priority=9)  # 5 blocks, room for 3 more tokens
+    s.add_request(low)
+    step(s, runner)
+    high = make_request("high", 16, max_tokens=2, priority=0)  # 4 blocks
+    s.add_request(high)
+    out = step(s, runner)
+    assert out.preempted_req_ids == set() and low.num_preemptions == 0
+    assert high.status == RequestStatus.WAITING
+    run_until_done(s, runner)
+    assert low.num_preemptions == 0
+    for r in (low, high):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+
+
+def test_a_victim_whose_blocks_are_shared_frees_only_what_it_alone_holds(make_scheduler):
+    """Preempting a request whose prefix another running request shares frees none of those
+    blocks: the plan counts that, so it preempts nobody when the shared blocks were the point."""
+    s = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=64)
+    runner = PagedFakeRunner(s.block_size)
+    shared = list(range(500, 512))  # 3 full blocks
+    keep = make_request("keep", shared + [1], max_tokens=8, priority=0)
+    s.add_request(keep)
+    step(s, runner)
+    twin = make_request("twin", shared + [2], max_tokens=8, priority=9)  # shares 3, owns 1
+    s.add_request(twin)
+    step(s, runner)
+    assert s.kv_cache_manager.get_num_free_blocks() == 3
+    # 5 new blocks: preempting "twin" would free only its own block (4 free), not enough.
+    high = make_request("high", 17, max_tokens=1, priority=1)
+    s.add_request(high)
+    out = step(s, runner)
+    assert out.preempted_req_ids == set() and twin.num_preemptions == 0
+    run_until_done(s, runner)
+    for r in (keep, twin, high):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)

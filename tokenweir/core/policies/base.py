@@ -1,0 +1,68 @@
+"""The interface between the scheduler loop and a scheduling policy.
+
+A policy is a small class built from its own config dataclass: it makes the waiting queue (the
+admission order), picks the running request to preempt, decides whether a waiting request may
+displace a running one and how far admission may look past a request that cannot run now, and
+sees what every step served. Every call gets `now`: the scheduler never reads a clock, so the
+simulator and the engine make the same decisions.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from tokenweir.core.queues import RequestQueue
+from tokenweir.request import Request
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Knobs of a policy (subclass it; every field needs a documented default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServedRequest:
+    """What one step did for one request: the feedback a fair-share policy charges."""
+
+    request: Request
+    num_computed_tokens: int  # prompt or output tokens whose K/V this step computed
+    num_recomputed_tokens: int  # of those, tokens computed before and lost to a preemption
+    num_output_tokens: int  # tokens sampled for it this step
+
+
+class SchedulingPolicy(ABC):
+    name: ClassVar[str]
+    config_class: ClassVar[type[PolicyConfig]] = PolicyConfig
+
+    def __init__(self, config: PolicyConfig | None = None) -> None:
+        config = self.config_class() if config is None else config
+        if not isinstance(config, self.config_class):
+            raise ValueError(f"policy {self.name!r} takes a {self.config_class.__name__}, "
+                             f"got {type(config).__name__}")
+        self.config = config
+
+    @abstractmethod
+    def make_waiting_queue(self) -> RequestQueue: ...
+
+    @abstractmethod
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        """The request among `running` (never empty) to preempt first."""
+
+    def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:
+        """Whether `waiting` may take the place of the running `victim`."""
+        return False
+
+    def admission_lookahead(self) -> int:
+        """How many waiting requests admission may pass over, in one step, when the one whose
+        turn it is cannot be admitted now (it stays first in line). 0 keeps strict order:
+        head-of-line blocking, so a large request is never overtaken forever."""
+        return 0
+
+    def begin_step(self, now: float, waiting: RequestQueue, running: Sequence[Request]) -> None:
+        """Called once per step before anything is scheduled: re-score what depends on time."""
+
+    def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
+        """Called once per step after its results are applied, with every scheduled request."""

@@ -1,0 +1,19 @@
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tokenweir.core.policies.base import SchedulingPolicy
+from tokenweir.core.queues import FCFSQueue, RequestQueue
+from tokenweir.request import Request
+
+
+class FCFSPolicy(SchedulingPolicy):
+    """Strict arrival order; the most recently admitted request is preempted first."""
+
+    name = "fcfs"
+
+    def make_waiting_queue(self) -> RequestQueue:
+        return FCFSQueue()
+
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        return running[-1]
