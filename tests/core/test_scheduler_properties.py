@@ -1,13 +1,32 @@
-"""Property test: random workloads on tiny pools, both policies, chunking on and off."""
+"""Property test: random workloads on tiny pools, both policies, chunking on and off, with EOS,
+stop ids, stop-string finishes, aborts, prefix-cache resets, cache salts and reused ids."""
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenweir.request import RequestStatus
-from tests.core.helpers import (PagedFakeRunner, assert_no_leaks, create_scheduler, make_request,
-                                reference_stream, step)
+from tests.core.helpers import (EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, make_request,
+                                next_token, step)
 
 PREFIXES = [list(range(10, 30)), list(range(40, 52)), []]
+
+
+def model(context: list[int]) -> int:
+    """The fake model, emitting EOS now and then."""
+    token = next_token(context)
+    return EOS if token % 11 == 0 else token
+
+
+def expected_stream(prompt: list[int], max_tokens: int, ignore_eos: bool, stop_ids: list[int]) -> list[int]:
+    """What the request generates alone, stop conditions included."""
+    context, out = list(prompt), []
+    while len(out) < max_tokens:
+        token = model(context)
+        out.append(token)
+        context.append(token)
+        if (token == EOS and not ignore_eos) or token in stop_ids:
+            break
+    return out
 
 
 @st.composite
@@ -15,7 +34,9 @@ def workloads(draw):
     chunked = draw(st.booleans())
     budget = draw(st.integers(4, 48))
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    num_blocks = draw(st.integers(max(2, -(-8 // block_size)), 40))
+    min_blocks = max(2, -(-8 // block_size))
+    # Small pools half of the time, so that preemption is common.
+    num_blocks = draw(st.one_of(st.integers(min_blocks, min_blocks + 4), st.integers(min_blocks, 40)))
     config = dict(
         max_num_batched_tokens=budget,
         max_num_seqs=draw(st.integers(1, min(6, budget))),
@@ -33,46 +54,64 @@ def workloads(draw):
         prefix = draw(st.sampled_from(PREFIXES))
         suffix = draw(st.lists(st.integers(100, 120), min_size=1, max_size=20))
         requests.append(dict(
-            rid=f"r{i}", prompt=prefix + suffix, max_tokens=draw(st.integers(1, 10)),
+            # A few ids are shared: the later request reuses the id once the earlier one is gone.
+            rid=f"r{draw(st.integers(0, 7))}", prompt=prefix + suffix, max_tokens=draw(st.integers(1, 10)),
             arrival_step=draw(st.integers(0, 12)), priority=draw(st.integers(0, 3)),
-            abort_step=draw(st.one_of(st.none(), st.integers(0, 30)))))
-    return config, requests
+            ignore_eos=draw(st.booleans()), salt=draw(st.sampled_from([None, None, "x", "y"])),
+            stop_ids=draw(st.lists(st.integers(3, 1000), max_size=3)),
+            abort_step=draw(st.one_of(st.none(), st.integers(0, 30))),
+            stop_string_step=draw(st.one_of(st.none(), st.integers(0, 30)))))
+    resets = draw(st.lists(st.integers(0, 30), max_size=3))
+    return config, requests, resets
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_keep_every_invariant(workload):
-    config, specs = workload
+    config, specs, resets = workload
     s = create_scheduler(**config)
-    runner = PagedFakeRunner(s.block_size)
-    requests = {}
+    runner = PagedFakeRunner(s.block_size, token_fn=model)
+    added = []  # (spec, request), in the order they were added
+    pending = list(specs)
     t = 0
     while t < 2000:
-        for spec in specs:
-            if spec["arrival_step"] == t:
+        for spec in list(pending):
+            if spec["arrival_step"] <= t and spec["rid"] not in s.requests:
                 r = make_request(spec["rid"], spec["prompt"], max_tokens=spec["max_tokens"],
-                                 arrival_time=float(t), priority=spec["priority"], ignore_eos=True)
-                requests[spec["rid"]] = r
+                                 arrival_time=float(t), priority=spec["priority"], ignore_eos=spec["ignore_eos"],
+                                 cache_salt=spec["salt"], stop_token_ids=spec["stop_ids"])
                 s.add_request(r)
-            if spec["abort_step"] == t and spec["rid"] in requests:
-                s.abort_requests([spec["rid"]], now=float(t))
-        if t > 12 and not s.has_unfinished_requests():
+                added.append((spec, r))
+                pending.remove(spec)
+        for spec, r in added:
+            if not r.is_finished and spec["abort_step"] == t:
+                s.abort_requests([r.request_id], now=float(t))
+            elif not r.is_finished and spec["stop_string_step"] == t and r.num_output_tokens:
+                # What the output processor does when detokenized text matches a stop string.
+                s.finish_requests([r.request_id], RequestStatus.FINISHED_STOPPED, now=float(t))
+        if t in resets:
+            s.reset_prefix_cache()
+        if t > 12 and not pending and not s.has_unfinished_requests():
             break
         # `step` asserts the budget and max_num_seqs on every step.
         step(s, runner, now=float(t))
         t += 1
-    assert not s.has_unfinished_requests(), "workload did not drain"
+    assert not pending and not s.has_unfinished_requests(), "workload did not drain"
     assert_no_leaks(s)
-    for spec in specs:
-        r = requests[spec["rid"]]
+    for spec, r in added:
         assert r.is_finished
-        # Whatever the batching, chunking, preemption or cache hits, the stream is the one the
-        # request produces alone.
-        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+        full = expected_stream(r.prompt_token_ids, spec["max_tokens"], spec["ignore_eos"], spec["stop_ids"])
+        # Whatever the batching, chunking, preemption, cache hits or salts, the stream is (a
+        # prefix of, when cut short from outside) the one the request produces alone.
+        assert r.output_token_ids == full[:r.num_output_tokens]
         if r.status == RequestStatus.FINISHED_LENGTH:
-            assert (r.num_output_tokens == spec["max_tokens"]
-                    or r.num_tokens >= s.max_model_len)
+            assert r.num_tokens >= s.max_model_len or (
+                r.output_token_ids == full and r.num_output_tokens == spec["max_tokens"])
+        elif r.status == RequestStatus.FINISHED_STOPPED and r.output_token_ids == full and full[-1] in [EOS, *spec["stop_ids"]]:
+            assert full[-1] in spec["stop_ids"] or not spec["ignore_eos"]
+        elif r.status == RequestStatus.FINISHED_STOPPED:
+            assert spec["stop_string_step"] is not None  # cut short by a "stop string"
         elif r.status == RequestStatus.FINISHED_IGNORED:
             assert r.num_prompt_tokens > s.max_model_len and r.num_output_tokens == 0
         else:
-            assert r.status == RequestStatus.FINISHED_ABORTED
+            assert r.status == RequestStatus.FINISHED_ABORTED and spec["abort_step"] is not None

@@ -135,6 +135,9 @@ class KVCacheManager:
         still holds it, and a hit only they held turns into a free hit, which the allocation
         then takes from the pool too.
         """
+        num_new = self._num_new_blocks(request, num_new_tokens, new_computed, num_new_computed_tokens)
+        if not freeing:
+            return self._fits(num_new, new_computed, apply_watermark)
         released: Counter[int] = Counter()
         blocks_by_id: dict[int, KVBlock] = {}
         for other in freeing:
@@ -143,9 +146,14 @@ class KVCacheManager:
                 blocks_by_id[block.block_id] = block
         num_freed = sum(1 for bid, n in released.items() if blocks_by_id[bid].ref_cnt == n)
         num_free_hits = sum(1 for b in new_computed.blocks if b.ref_cnt == released[b.block_id])
-        num_new = self._num_new_blocks(request, num_new_tokens, new_computed, num_new_computed_tokens)
         reserve = self.watermark_blocks if apply_watermark else 0
         return num_new + num_free_hits + reserve <= self.block_pool.get_num_free_blocks() + num_freed
+
+    def _fits(self, num_new_blocks: int, new_computed: KVCacheBlocks, apply_watermark: bool) -> bool:
+        # Hits with ref count 0 sit in the free queue: taking them consumes free capacity too.
+        num_free_hits = sum(1 for b in new_computed.blocks if b.ref_cnt == 0)
+        reserve = self.watermark_blocks if apply_watermark else 0
+        return num_new_blocks + num_free_hits + reserve <= self.block_pool.get_num_free_blocks()
 
     def allocate_slots(
         self,
@@ -159,19 +167,18 @@ class KVCacheManager:
 
         Block table after the call::
 
-            | blocks it owns | new_computed_blocks (hits) | new blocks        |
+            | blocks it owns | new_computed (hits) | new blocks        |
             |<-- num_computed_tokens + num_new_computed -->|<- num_new_tokens ->|
 
         Returns the newly taken blocks (possibly none), or None, leaving everything unchanged,
-        if the pool cannot supply them. Hits with ref count 0 sit in the free queue, so taking
-        them consumes free capacity too. With `apply_watermark` (admitting a waiting request),
+        if the pool cannot supply them. With `apply_watermark` (admitting a waiting request),
         `watermark_blocks` must stay free afterwards; running requests may dip below it.
         """
-        if not self.can_allocate(request, num_new_tokens, new_computed, num_new_computed_tokens,
-                                 apply_watermark=apply_watermark):
-            return None
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, new_computed, num_new_computed_tokens)
-
+        if not num_new_blocks and not new_computed and request.request_id in self.req_to_blocks:
+            return EMPTY_BLOCKS  # most decode steps: the last block has room
+        if not self._fits(num_new_blocks, new_computed, apply_watermark):
+            return None
         req_blocks = self.req_to_blocks.get(request.request_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []

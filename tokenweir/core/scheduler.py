@@ -114,6 +114,9 @@ class Scheduler:
             enable_caching=cache_config.enable_prefix_caching,
             watermark_blocks=cache_config.watermark_blocks)
         self.policy = policy or create_policy(scheduler_config.policy)
+        # A record per scheduled request per step is a noticeable share of a decode step's cost:
+        # build them only for a policy that reads them.
+        self._policy_wants_feedback = type(self.policy).on_step_served is not SchedulingPolicy.on_step_served
         self.batch_controller = batch_controller or StaticBatchController(
             StepLimits(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs))
         self.waiting = self.policy.make_waiting_queue()
@@ -368,10 +371,13 @@ class Scheduler:
                     rid, step.new_block_ids.get(rid, []), request.num_computed_tokens))
         # Checked for real (not an assert, which `python -O` drops): a runner handed more than
         # the budget may run out of activation memory.
+        # A step's lower sequence cap only holds back admissions, so the configured one bounds
+        # the requests of a step.
         limits = step.limits
-        if step.budget < 0 or len(step.num_scheduled) > limits.max_num_seqs:
+        if step.budget < 0 or len(step.num_scheduled) > self.config.max_num_seqs:
             raise RuntimeError(f"step overspent its limits: {limits.max_num_batched_tokens - step.budget} "
-                               f"tokens for {len(step.num_scheduled)} requests within {limits}")
+                               f"tokens for {len(step.num_scheduled)} requests within {limits} "
+                               f"(max_num_seqs={self.config.max_num_seqs})")
         finished, self._finished_req_ids = self._finished_req_ids, set()
         step_id = next(self._step_ids)
         self._in_flight = _InFlight(step_id, {rid: self.requests[rid] for rid in step.num_scheduled})
@@ -407,15 +413,18 @@ class Scheduler:
         try:
             for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
                 request = in_flight.requests[request_id]
-                if request.is_finished:
+                if request.status is not RequestStatus.RUNNING:
                     continue  # aborted after it was scheduled (its id may already be reused)
                 start = request.num_computed_tokens
-                request.num_computed_tokens += num_tokens
-                num_recomputed = max(0, min(request.num_computed_tokens, request.max_computed_tokens) - start)
-                request.max_computed_tokens = max(request.max_computed_tokens, request.num_computed_tokens)
+                end = request.num_computed_tokens = start + num_tokens
+                if end > request.max_computed_tokens:
+                    num_recomputed = max(0, request.max_computed_tokens - start)
+                    request.max_computed_tokens = end
+                else:
+                    num_recomputed = num_tokens
                 self.kv_cache_manager.cache_blocks(request)
                 new_token_ids: list[int] = []
-                if request.num_computed_tokens == request.num_tokens:
+                if end == request.num_tokens:
                     sampled = sampled_token_ids.get(request_id)
                     if not sampled:
                         raise RuntimeError(f"request {request_id!r} finished its prefill but no token was sampled")
@@ -428,12 +437,14 @@ class Scheduler:
                             any_finished = True
                             break
                     updates.append(RequestUpdate(request, new_token_ids))
-                served.append(ServedRequest(request, num_tokens, num_recomputed, len(new_token_ids)))
+                if self._policy_wants_feedback:
+                    served.append(ServedRequest(request, num_tokens, num_recomputed, len(new_token_ids)))
         finally:
             if any_finished:
                 self.running = [r for r in self.running if not r.is_finished]
         self._in_flight = None
-        self.policy.on_step_served(served, now)
+        if self._policy_wants_feedback:
+            self.policy.on_step_served(served, now)
         return updates
 
     def fail_step(self, scheduler_output: SchedulerOutput, now: float = 0.0) -> list[Request]:

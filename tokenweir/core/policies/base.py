@@ -23,7 +23,7 @@ class PolicyConfig:
     """Knobs of a policy (subclass it; every field needs a documented default)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ServedRequest:
     """What one step did for one request: the feedback a fair-share policy charges."""
 
