@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Optional, Union
 
 from tokenweir.checks import is_finite_number, is_integer
-from tokenweir.core.policies import POLICIES
+from tokenweir.core.policies import POLICIES, PolicyConfig
 
 PREEMPTION_MODES = ("recompute",)  # swap arrives with its own issue; SchedulerOutput has the seam
 
@@ -55,6 +55,8 @@ class SchedulerConfig:
     # A prefill chunk never takes more than this many tokens of a step (0 = no cap), so one long
     # prompt cannot starve the decodes sharing the step.
     long_prefill_token_threshold: int = 0
+    # The policy's own knobs (its config_class); None: the policy's defaults.
+    policy_config: Optional[PolicyConfig] = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -69,6 +71,10 @@ class SchedulerConfig:
                 f"({self.max_num_seqs}): every running request needs at least one token per step")
         if self.policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        expected = POLICIES[self.policy].config_class
+        if self.policy_config is not None and type(self.policy_config) is not expected:
+            raise ValueError(f"scheduling policy {self.policy!r} takes a {expected.__name__}, "
+                             f"got {type(self.policy_config).__name__}")
         if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
             raise ValueError(
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) splits prompts into "

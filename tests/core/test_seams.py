@@ -10,7 +10,7 @@ from tests.core.helpers import PagedFakeRunner, make_request, reference_stream, 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_control import BatchController, StepLimits
 from tokenweir.core.kv_cache_manager import KVCacheManager
-from tokenweir.core.policies import FCFSPolicy, PolicyConfig, ServedRequest
+from tokenweir.core.policies import POLICIES, FCFSPolicy, PolicyConfig, ServedRequest
 from tokenweir.core.scheduler import Scheduler
 from tokenweir.request import Request
 
@@ -42,9 +42,19 @@ class _LookaheadFCFS(FCFSPolicy):
                                    s.num_output_tokens) for s in served]))
 
 
-def test_a_policy_config_of_the_wrong_type_is_refused():
+def test_a_policy_config_of_the_wrong_type_is_refused(monkeypatch):
     with pytest.raises(ValueError, match="policy 'test-lookahead' takes a _LookaheadConfig, got PolicyConfig"):
         _LookaheadFCFS(PolicyConfig())
+    with pytest.raises(ValueError, match="scheduling policy 'priority' takes a PolicyConfig, got _LookaheadConfig"):
+        SchedulerConfig(policy="priority", policy_config=_LookaheadConfig())
+
+
+def test_a_registered_policy_is_built_from_the_config_it_is_given(monkeypatch):
+    monkeypatch.setitem(POLICIES, _LookaheadFCFS.name, _LookaheadFCFS)
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, policy=_LookaheadFCFS.name,
+                             policy_config=_LookaheadConfig(lookahead=3))
+    s = Scheduler(config, CacheConfig(block_size=4, num_blocks=8))
+    assert isinstance(s.policy, _LookaheadFCFS) and s.policy.admission_lookahead() == 3
 
 
 @pytest.mark.parametrize("lookahead, admitted_second", [(0, ["big"]), (1, ["small"])])

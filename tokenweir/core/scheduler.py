@@ -113,7 +113,7 @@ class Scheduler:
             num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             watermark_blocks=cache_config.watermark_blocks)
-        self.policy = policy or create_policy(scheduler_config.policy)
+        self.policy = policy or create_policy(scheduler_config.policy, scheduler_config.policy_config)
         # A record per scheduled request per step is a noticeable share of a decode step's cost:
         # build them only for a policy that reads them.
         self._policy_wants_feedback = type(self.policy).on_step_served is not SchedulingPolicy.on_step_served

@@ -39,7 +39,7 @@ class SchedulingPolicy(ABC):
 
     def __init__(self, config: PolicyConfig | None = None) -> None:
         config = self.config_class() if config is None else config
-        if not isinstance(config, self.config_class):
+        if type(config) is not self.config_class:
             raise ValueError(f"policy {self.name!r} takes a {self.config_class.__name__}, "
                              f"got {type(config).__name__}")
         self.config = config
