@@ -14,8 +14,7 @@ PYTHONHASHSEED: the same tokens give the same key in every process of a deployme
 from __future__ import annotations
 
 import hashlib
-import sys
-from array import array
+import struct
 from collections.abc import Sequence
 from typing import NewType, Optional
 
@@ -35,7 +34,9 @@ class BlockHasher:
     def __init__(self, key: Optional[bytes] = None) -> None:
         if key is not None and not 0 < len(key) <= _MAX_KEY_BYTES:
             raise ValueError(f"the prefix-cache hash key must be 1 to {_MAX_KEY_BYTES} bytes, got {len(key)}")
-        self._key = key or b""
+        # Keying BLAKE2b costs a compression of its own: do it once and copy the state.
+        self._keyed = hashlib.blake2b(digest_size=DIGEST_SIZE, key=key or b"")
+        self._packers: dict[int, struct.Struct] = {}  # little-endian int64s, one per block length
         self._roots: dict[tuple[tuple[str, str], ...], BlockHash] = {}
 
     def root(self, extra_keys: tuple[tuple[str, str], ...] = ()) -> BlockHash:
@@ -50,10 +51,15 @@ class BlockHasher:
         return root
 
     def hash_block(self, parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
-        tokens = array("q", token_ids)
-        if sys.byteorder != "little":
-            tokens.byteswap()
-        return self._digest(parent + tokens.tobytes())
+        packer = self._packers.get(len(token_ids))
+        if packer is None:
+            packer = self._packers[len(token_ids)] = struct.Struct(f"<{len(token_ids)}q")
+        state = self._keyed.copy()
+        state.update(parent)
+        state.update(packer.pack(*token_ids))
+        return BlockHash(state.digest())
 
     def _digest(self, data: bytes) -> BlockHash:
-        return BlockHash(hashlib.blake2b(data, digest_size=DIGEST_SIZE, key=self._key).digest())
+        state = self._keyed.copy()
+        state.update(data)
+        return BlockHash(state.digest())
