@@ -81,7 +81,6 @@ class ModelArchConfig:
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2, Llama with attention_bias)
     o_proj_bias: bool  # Llama's attention_bias also puts one on o_proj; Qwen2's does not
     eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
     # Mistral-style sliding window; None when attention is global.
     sliding_window: int | None = None
     # Per rotary pair, a divisor of its frequency (a GGUF's `rope_freqs`, see llama.rope_inv_freq).
@@ -216,7 +215,6 @@ def arch_from_hf_config(
         attention_bias=bias,
         o_proj_bias=bias and not is_qwen2,
         eos_token_ids=tuple(eos),
-        bos_token_id=cfg.get("bos_token_id"),
         sliding_window=window or None,
         rope_freq_factors=_rope_freq_factors(cfg, head_dim, source),
     )
