@@ -62,61 +62,42 @@ class CheckpointWeight:
     offset: int  # its first row in the parameter (fused parameters stack several tensors)
 
 
-# Per decoder layer: checkpoint name -> the parameter it goes into. Fused parameters take their
-# tensors' rows in the order listed (q, k, v; gate, up). As nano-vllm's packed_modules_mapping,
-# this is the one place that names the checkpoint's tensors: loading and the loader's check of
-# the checkpoint against config.json both read it.
-_LAYER_WEIGHTS = {
-    "input_layernorm.weight": "input_norm",
-    "post_attention_layernorm.weight": "post_norm",
-    "self_attn.q_proj.weight": "qkv_weight",
-    "self_attn.k_proj.weight": "qkv_weight",
-    "self_attn.v_proj.weight": "qkv_weight",
-    "self_attn.q_proj.bias": "qkv_bias",
-    "self_attn.k_proj.bias": "qkv_bias",
-    "self_attn.v_proj.bias": "qkv_bias",
-    "self_attn.o_proj.weight": "o_weight",
-    "self_attn.o_proj.bias": "o_bias",
-    "mlp.gate_proj.weight": "gate_up_weight",
-    "mlp.up_proj.weight": "gate_up_weight",
-    "mlp.down_proj.weight": "down_weight",
-}
-
-
 def checkpoint_weights(arch: ModelArchConfig) -> dict[str, CheckpointWeight]:
-    """Every tensor an HF checkpoint of `arch` holds, by name, with its shape and destination."""
+    """Every tensor an HF checkpoint of `arch` holds, by name, with its shape and destination.
+
+    As nano-vllm's packed_modules_mapping, this is the one place that names the checkpoint's
+    tensors: loading and the loader's check of a checkpoint against config.json both read it.
+    """
     h, inter, vocab = arch.hidden_size, arch.intermediate_size, arch.vocab_size
     q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
-    shapes = {
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.q_proj.bias": (q,),
-        "self_attn.k_proj.bias": (kv,),
-        "self_attn.v_proj.bias": (kv,),
-        "self_attn.o_proj.weight": (h, q),
-        "self_attn.o_proj.bias": (h,),
-        "mlp.gate_proj.weight": (inter, h),
-        "mlp.up_proj.weight": (inter, h),
-        "mlp.down_proj.weight": (h, inter),
+    # Per decoder layer: name -> (parameter, shape). A fused parameter takes its tensors' rows in
+    # the order listed (q, k, v; gate, up).
+    layer = {
+        "input_layernorm.weight": ("input_norm", (h,)),
+        "post_attention_layernorm.weight": ("post_norm", (h,)),
+        "self_attn.q_proj.weight": ("qkv_weight", (q, h)),
+        "self_attn.k_proj.weight": ("qkv_weight", (kv, h)),
+        "self_attn.v_proj.weight": ("qkv_weight", (kv, h)),
+        "self_attn.o_proj.weight": ("o_weight", (h, q)),
+        "mlp.gate_proj.weight": ("gate_up_weight", (inter, h)),
+        "mlp.up_proj.weight": ("gate_up_weight", (inter, h)),
+        "mlp.down_proj.weight": ("down_weight", (h, inter)),
     }
-    absent = {"qkv_bias"} if not arch.attention_bias else set()
-    if not arch.o_proj_bias:
-        absent.add("o_bias")
+    if arch.attention_bias:
+        layer |= {"self_attn.q_proj.bias": ("qkv_bias", (q,)), "self_attn.k_proj.bias": ("qkv_bias", (kv,)),
+                  "self_attn.v_proj.bias": ("qkv_bias", (kv,))}
+    if arch.o_proj_bias:
+        layer["self_attn.o_proj.bias"] = ("o_bias", (h,))
     weights = {"model.embed_tokens.weight": CheckpointWeight("embed_tokens", (vocab, h), 0),
                "model.norm.weight": CheckpointWeight("norm", (h,), 0)}
     if not arch.tie_word_embeddings:
         weights["lm_head.weight"] = CheckpointWeight("lm_head", (vocab, h), 0)
     for i in range(arch.num_hidden_layers):
         rows: dict[str, int] = {}
-        for name, param in _LAYER_WEIGHTS.items():
-            if param in absent:
-                continue
+        for name, (param, shape) in layer.items():
             offset = rows.get(param, 0)
-            rows[param] = offset + shapes[name][0]
-            weights[f"model.layers.{i}.{name}"] = CheckpointWeight(f"layers.{i}.{param}", shapes[name], offset)
+            rows[param] = offset + shape[0]
+            weights[f"model.layers.{i}.{name}"] = CheckpointWeight(f"layers.{i}.{param}", shape, offset)
     return weights
 
 
