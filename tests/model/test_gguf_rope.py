@@ -16,6 +16,7 @@ import pytest
 
 from tests.hf_reference import hf_greedy
 from tests.model.tiny_models import VOCAB_SIZE, write_stub_gguf, write_tiny_gguf
+from tokenweir.model import arch as model_arch
 from tokenweir.model import gguf_conversion, loader
 
 NUM_NEW = 8
@@ -52,7 +53,7 @@ def test_gguf_rope_scaling_matches_hf_folder(tmp_path, tiny_model_dir, arch):
     # comparison above could have failed.
     config_path = Path(gguf_conversion.ensure_hf_folder(gguf_path)) / "config.json"
     cfg = json.loads(config_path.read_text())
-    cfg.pop(gguf_conversion.ROPE_FREQ_FACTORS_KEY, None)
+    cfg.pop(model_arch.ROPE_FREQ_FACTORS_KEY, None)
     cfg["rope_parameters"]["rope_type"] = "default"
     config_path.write_text(json.dumps(cfg))
     assert tokenweir_greedy(gguf_path, prompts) != expected
@@ -90,8 +91,8 @@ def test_rope_freq_factors_config_key():
         architectures=["LlamaForCausalLM"], vocab_size=10, hidden_size=8, intermediate_size=16,
         num_hidden_layers=1, num_attention_heads=2,
     )  # head_dim 4: two rotary pairs
-    arch = loader.arch_from_hf_config({**base, gguf_conversion.ROPE_FREQ_FACTORS_KEY: [1, 2.5]})
+    arch = model_arch.arch_from_hf_config({**base, model_arch.ROPE_FREQ_FACTORS_KEY: [1, 2.5]})
     assert arch.rope_freq_factors == (1.0, 2.5)
     for bad in ([1.0], [1.0, 0.0], [1.0, True], [1.0, float("inf")], "1 2"):
         with pytest.raises(ValueError, match="must list 2 positive numbers"):
-            loader.arch_from_hf_config({**base, gguf_conversion.ROPE_FREQ_FACTORS_KEY: bad})
+            model_arch.arch_from_hf_config({**base, model_arch.ROPE_FREQ_FACTORS_KEY: bad})

@@ -33,7 +33,11 @@ def test_float32_is_not_prepacked():
 def test_one_row_is_computed_like_a_row_of_a_batch():
     if not torch.backends.mkldnn.is_available():
         pytest.skip("oneDNN is not available in this torch build")
+    # The default model's down projection: a shape where oneDNN's one-row kernel rounds some
+    # outputs differently from its batched one (on small weights the two may agree anyway).
     torch.manual_seed(0)
-    linear = Linear(torch.randn(96, 48, dtype=torch.bfloat16))
-    x = torch.randn(5, 48, dtype=torch.bfloat16)
-    assert torch.equal(linear(x[:1]), linear(x)[:1])
+    linear = Linear(torch.randn(576, 1536, dtype=torch.bfloat16) * 0.05)
+    x = torch.randn(64, 1536, dtype=torch.bfloat16)
+    batch = linear(x)
+    for row in range(x.shape[0]):
+        assert torch.equal(linear(x[row : row + 1]), batch[row : row + 1]), f"row {row}"

@@ -12,7 +12,8 @@ import random
 import pytest
 import torch
 
-from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches, kv_cache_bytes_per_block
+from tokenweir.model.arch import kv_cache_bytes_per_block
+from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches
 from tokenweir.model.loader import load_model
 
 BLOCK_SIZE = 4

@@ -9,14 +9,10 @@ import pytest
 import torch
 
 from tests.model.tiny_models import write_stub_gguf, write_tiny_gguf
+from tokenweir.model.arch import arch_from_hf_config
 from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches
 from tokenweir.model.gguf_conversion import ensure_hf_folder
-from tokenweir.model.loader import (
-    arch_from_hf_config,
-    default_model_path,
-    load_model,
-    resolve_dtype,
-)
+from tokenweir.model.loader import default_model_path, load_model, resolve_dtype
 
 
 def test_default_model_path():

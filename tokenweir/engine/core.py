@@ -14,7 +14,7 @@ from tokenweir.config import EngineArgs
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tokenweir.engine.cpu_allocator import keep_freed_memory
 from tokenweir.engine.output import OutputProcessor, OutputState, RequestOutput
-from tokenweir.model.attention import kv_cache_bytes_per_block
+from tokenweir.model.arch import kv_cache_bytes_per_block
 from tokenweir.model.loader import LoadedModel, load_model
 from tokenweir.model.runner import ModelRunner
 from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints

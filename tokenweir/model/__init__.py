@@ -1,25 +1,32 @@
 """Model execution: loading, the Llama-family decoder, paged attention and sampling.
 
-torch lives here and only here.
+torch lives here, except in `arch.py` (the model's description, which sizes KV pools without
+torch). The names below are imported on first use, so that importing `tokenweir.model.arch`
+does not import torch.
 """
 
-from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches, kv_cache_bytes_per_block
-from tokenweir.model.llama import LlamaForCausalLM, ModelArchConfig
-from tokenweir.model.gguf_conversion import ensure_hf_folder
-from tokenweir.model.loader import LoadedModel, default_model_path, load_model
-from tokenweir.model.sampler import Sampler, SamplerOutput, SamplingMetadata
+from importlib import import_module
+from typing import Any
 
-__all__ = [
-    "AttentionMetadata",
-    "LlamaForCausalLM",
-    "LoadedModel",
-    "ModelArchConfig",
-    "Sampler",
-    "SamplerOutput",
-    "SamplingMetadata",
-    "allocate_kv_caches",
-    "default_model_path",
-    "ensure_hf_folder",
-    "kv_cache_bytes_per_block",
-    "load_model",
-]
+_EXPORTS = {
+    "AttentionMetadata": "attention",
+    "LlamaForCausalLM": "llama",
+    "LoadedModel": "loader",
+    "ModelArchConfig": "arch",
+    "Sampler": "sampler",
+    "SamplerOutput": "sampler",
+    "SamplingMetadata": "sampler",
+    "allocate_kv_caches": "attention",
+    "arch_from_hf_folder": "arch",
+    "default_model_path": "loader",
+    "ensure_hf_folder": "gguf_conversion",
+    "kv_cache_bytes_per_block": "arch",
+    "load_model": "loader",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tokenweir.model' has no attribute {name!r}")
+    return getattr(import_module(f"tokenweir.model.{_EXPORTS[name]}"), name)

@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from tokenweir.model import kernels
-
-if TYPE_CHECKING:
-    from tokenweir.model.llama import ModelArchConfig
+from tokenweir.model.arch import ModelArchConfig
 
 
 def key_cache(kv_cache: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -289,12 +286,6 @@ def _prefill_attention(
         mask = meta.float_mask(chunk.mask, q.dtype)
         out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, enable_gqa=True)
     return out[0].transpose(0, 1).reshape(chunk.end - chunk.start, -1)
-
-
-def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers (K and V): divide a memory budget by this."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return arch.num_hidden_layers * 2 * block_size * arch.num_key_value_heads * arch.head_dim * elem
 
 
 def allocate_kv_caches(

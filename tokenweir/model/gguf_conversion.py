@@ -20,14 +20,11 @@ from typing import Any
 
 import torch
 
+from tokenweir.model.arch import ROPE_FREQ_FACTORS_KEY
 from tokenweir.paths import cache_root
 
 # GGUF `general.architecture` values we convert (Mistral GGUFs say "llama").
 _GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
-# Per rotary pair, the divisor of its RoPE frequency: how llama.cpp stores Llama 3 scaling (the
-# `rope_freqs` tensor). Not an HF key: the (factor, low/high_freq_factor, original context) that
-# produced the divisors cannot be recovered exactly from them, so they are kept as they are.
-ROPE_FREQ_FACTORS_KEY = "tokenweir_rope_freq_factors"
 
 
 # Part of the cache key: bump it whenever conversion writes something different, so that a
@@ -72,7 +69,10 @@ class _GgufRope:
     """The RoPE scaling a GGUF carries, which transformers' GGUF reader drops for these architectures."""
 
     linear_factor: float | None  # `{arch}.rope.scaling.type` "linear" with its factor
-    freq_factors: list[float] | None  # the `rope_freqs` tensor: llama.cpp's Llama 3 scaling
+    # The `rope_freqs` tensor: llama.cpp's Llama 3 scaling, per-pair divisors of the frequencies.
+    # The (factor, low/high_freq_factor, original context) that produced them cannot be recovered
+    # exactly, so they are kept as they are, under a config key only tokenweir reads.
+    freq_factors: list[float] | None
 
     def apply(self, config: Any) -> None:
         if self.linear_factor is not None:

@@ -13,53 +13,15 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenweir.model.arch import ModelArchConfig
 from tokenweir.model.attention import AttentionMetadata, paged_attention
 from tokenweir.model.layers import RotaryEmbedding, rms_norm, silu_and_mul
 from tokenweir.model.linear import Linear
-
-
-@dataclass(frozen=True)
-class ModelArchConfig:
-    architecture: str  # e.g. "LlamaForCausalLM"
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    # None for plain RoPE, else {"rope_type": "linear" | "llama3", "factor": ..., ...}.
-    rope_scaling: dict[str, Any] | None
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2, Llama with attention_bias)
-    o_proj_bias: bool  # Llama's attention_bias also puts one on o_proj; Qwen2's does not
-    eos_token_ids: tuple[int, ...]
-    bos_token_id: int | None
-    # Mistral-style sliding window; None when attention is global.
-    sliding_window: int | None = None
-    # Per rotary pair, a divisor of its frequency (a GGUF's `rope_freqs`, see rope_inv_freq).
-    rope_freq_factors: tuple[float, ...] | None = None
-
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.eos_token_ids[0] if self.eos_token_ids else None
-
-    @property
-    def max_model_len(self) -> int:
-        # Attention here is always global, which equals sliding-window attention as long as
-        # no context is longer than the window: cap the usable length there.
-        if self.sliding_window is not None:
-            return min(self.max_position_embeddings, self.sliding_window)
-        return self.max_position_embeddings
 
 
 def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
@@ -89,6 +51,54 @@ def rope_inv_freq(arch: ModelArchConfig) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+@dataclass(frozen=True)
+class CheckpointWeight:
+    """Where one Hugging Face checkpoint tensor goes in LlamaForCausalLM."""
+
+    param: str  # the model's parameter, e.g. "layers.0.qkv_weight"
+    shape: tuple[int, ...]  # the checkpoint tensor's shape, as config.json implies it
+    offset: int  # its first row in the parameter (fused parameters stack several tensors)
+
+
+def checkpoint_weights(arch: ModelArchConfig) -> dict[str, CheckpointWeight]:
+    """Every tensor an HF checkpoint of `arch` holds, by name, with its shape and destination.
+
+    As nano-vllm's packed_modules_mapping, this is the one place that names the checkpoint's
+    tensors: loading and the loader's check of a checkpoint against config.json both read it.
+    """
+    h, inter, vocab = arch.hidden_size, arch.intermediate_size, arch.vocab_size
+    q, kv = arch.num_attention_heads * arch.head_dim, arch.num_key_value_heads * arch.head_dim
+    # Per decoder layer: name -> (parameter, shape). A fused parameter takes its tensors' rows in
+    # the order listed (q, k, v; gate, up).
+    layer = {
+        "input_layernorm.weight": ("input_norm", (h,)),
+        "post_attention_layernorm.weight": ("post_norm", (h,)),
+        "self_attn.q_proj.weight": ("qkv_weight", (q, h)),
+        "self_attn.k_proj.weight": ("qkv_weight", (kv, h)),
+        "self_attn.v_proj.weight": ("qkv_weight", (kv, h)),
+        "self_attn.o_proj.weight": ("o_weight", (h, q)),
+        "mlp.gate_proj.weight": ("gate_up_weight", (inter, h)),
+        "mlp.up_proj.weight": ("gate_up_weight", (inter, h)),
+        "mlp.down_proj.weight": ("down_weight", (h, inter)),
+    }
+    if arch.attention_bias:
+        layer |= {"self_attn.q_proj.bias": ("qkv_bias", (q,)), "self_attn.k_proj.bias": ("qkv_bias", (kv,)),
+                  "self_attn.v_proj.bias": ("qkv_bias", (kv,))}
+    if arch.o_proj_bias:
+        layer["self_attn.o_proj.bias"] = ("o_bias", (h,))
+    weights = {"model.embed_tokens.weight": CheckpointWeight("embed_tokens", (vocab, h), 0),
+               "model.norm.weight": CheckpointWeight("norm", (h,), 0)}
+    if not arch.tie_word_embeddings:
+        weights["lm_head.weight"] = CheckpointWeight("lm_head", (vocab, h), 0)
+    for i in range(arch.num_hidden_layers):
+        rows: dict[str, int] = {}
+        for name, (param, shape) in layer.items():
+            offset = rows.get(param, 0)
+            rows[param] = offset + shape[0]
+            weights[f"model.layers.{i}.{name}"] = CheckpointWeight(f"layers.{i}.{param}", shape, offset)
+    return weights
 
 
 def _param(*shape: int, dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
@@ -204,30 +214,13 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up. The loader has checked the names
-        and shapes against the config (loader._check_weights); extra entries are not read."""
+        """Copy HF-named weights in, each into its parameter's rows (checkpoint_weights). The loader
+        has checked the names and shapes against the config; extra entries are not read."""
         if self.lm_head_linear is not None:
             raise RuntimeError("the weights are already loaded (they may have been repacked)")
-        arch = self.arch
-        take = state_dict.__getitem__
-
-        self.embed_tokens.copy_(take("model.embed_tokens.weight"))
-        self.norm.copy_(take("model.norm.weight"))
-        if not arch.tie_word_embeddings:
-            self.lm_head.copy_(take("lm_head.weight"))
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn = [f"{p}self_attn.{n}_proj" for n in ("q", "k", "v")]
-            layer.input_norm.copy_(take(p + "input_layernorm.weight"))
-            layer.post_norm.copy_(take(p + "post_attention_layernorm.weight"))
-            layer.qkv_weight.copy_(torch.cat([take(n + ".weight") for n in attn]))
-            if layer.qkv_bias is not None:
-                layer.qkv_bias.copy_(torch.cat([take(n + ".bias") for n in attn]))
-            layer.o_weight.copy_(take(p + "self_attn.o_proj.weight"))
-            if layer.o_bias is not None:
-                layer.o_bias.copy_(take(p + "self_attn.o_proj.bias"))
-            layer.gate_up_weight.copy_(torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]))
-            layer.down_weight.copy_(take(p + "mlp.down_proj.weight"))
+        for name, weight in checkpoint_weights(self.arch).items():
+            param = self.get_parameter(weight.param)
+            param[weight.offset : weight.offset + weight.shape[0]].copy_(state_dict[name])
         for layer in self.layers:
             layer.finalize_weights()
         self.lm_head_linear = Linear(self.lm_head)
