@@ -171,5 +171,5 @@ def assert_no_leaks(scheduler: Scheduler) -> None:
     """After a test: nothing queued, running or in flight, every block free with ref count 0."""
     assert not scheduler.has_unfinished_requests(), list(scheduler.requests)
     assert len(scheduler.waiting) == 0 and scheduler.running == []
-    assert scheduler._in_flight is None, "a scheduled step was neither applied nor failed"
+    assert scheduler.step_in_flight is None, "a scheduled step was neither applied nor failed"
     assert_kv_released(scheduler.kv_cache_manager)

@@ -186,6 +186,11 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
 
+    @property
+    def step_in_flight(self) -> Optional[int]:
+        """The id of the step scheduled and not yet settled, if any."""
+        return None if self._in_flight is None else self._in_flight.step_id
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
