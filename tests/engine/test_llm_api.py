@@ -155,8 +155,9 @@ def test_an_output_processing_error_fails_that_request_only(make_llm, tiny_model
     engine.add_request("good", "three four", params)
     finished, failed = {}, {}
     while engine.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
-        failed.update(engine.take_failed_requests())
+        result = engine.step()
+        finished.update((o.request_id, o) for o in result.outputs if o.finished)
+        failed.update(result.failed)
     assert list(failed) == ["bad"] and "exploded" in str(failed["bad"])
     assert list(finished) == ["good"] and len(finished["good"].outputs[0].token_ids) == 5
     assert engine.states == {}
@@ -166,7 +167,7 @@ def test_an_output_processing_error_fails_that_request_only(make_llm, tiny_model
 
     # Offline, the failure surfaces as an exception and the batch's other requests are aborted.
     monkeypatch.setattr(engine.output_processor, "process_tokens", always_failing)
-    with pytest.raises(RuntimeError, match="processing the output of request .* failed"):
+    with pytest.raises(RuntimeError, match="request .* failed in the engine: ValueError..boom"):
         llm.generate(["one", "two"], SamplingParams(max_tokens=3), use_tqdm=False)
 
 
