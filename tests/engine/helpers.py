@@ -1,4 +1,4 @@
-"""Observing what the engine's scheduler decided, and the engine's leak check."""
+"""Observing what the engine's scheduler decided, injecting faults, and the engine's leak check."""
 
 from __future__ import annotations
 
@@ -22,6 +22,23 @@ def record_schedules(engine: EngineCore) -> list[SchedulerOutput]:
 
     engine.step = recording_step  # type: ignore[method-assign]
     return outputs
+
+
+class FailsOnce:
+    """Wraps a callable (a model, a sampler) so that its n-th call raises; other attributes
+    pass through."""
+
+    def __init__(self, inner: Any, fail_on_call: int, error: Exception) -> None:
+        self.inner, self.fail_on_call, self.error, self.calls = inner, fail_on_call, error, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise self.error
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def assert_engine_released(engine: EngineCore) -> None:
