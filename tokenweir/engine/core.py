@@ -192,6 +192,7 @@ class EngineCore:
         undone): the failure fails the step's requests (see `fail_step`). A failure in one
         request's output processing fails that request only.
         """
+        failed: dict[str, BaseException] = {}
         try:
             runner_output = self.runner.execute_model(scheduled)
             now = self.clock()
@@ -202,19 +203,23 @@ class EngineCore:
             for status in set(processed.finished.values()):
                 self.scheduler.finish_requests(
                     [rid for rid, s in processed.finished.items() if s == status], status, now)
-            result = StepResult([], self._fail(processed.failed), scheduled)
+            failed = self._fail(processed.failed)
+            result = StepResult([], failed, scheduled)
+            finished = []
             for update in updates:
-                rid = update.request.request_id
-                state = self.states.get(rid)
-                if state is None:
-                    continue  # failed above
-                result.outputs.append(self.output_processor.make_output(state))
-                if update.request.is_finished:
-                    del self.states[rid]
+                state = self.states.get(update.request.request_id)
+                if state is not None:  # else it failed above
+                    result.outputs.append(self.output_processor.make_output(state))
+                    if update.request.is_finished:
+                        finished.append(update.request.request_id)
+            # Only once every output exists: a raise above must still find every state to fail.
+            for rid in finished:
+                del self.states[rid]
             return result
         except BaseException as e:
             logger.exception("engine step failed; failing its %d requests", len(scheduled.num_scheduled_tokens))
             result = self.fail_step(scheduled, e)
+            result.failed = {**failed, **result.failed}  # requests failed before the raise, too
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt and the like: undone, but not swallowed
             return result

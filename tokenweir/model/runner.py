@@ -87,7 +87,8 @@ class ModelRunner:
         for cached in out.scheduled_cached_reqs:
             rid = cached.request_id
             states[rid] = self.requests[rid]
-            block_tables[rid] = states[rid].block_ids + cached.new_block_ids
+            blocks = states[rid].block_ids
+            block_tables[rid] = blocks + cached.new_block_ids if cached.new_block_ids else blocks
             computed[rid] = cached.num_computed_tokens
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput({})
