@@ -95,7 +95,7 @@ def profile_tokenweir(workload, dtype: str, args, spec: str) -> None:
     def timed_step():
         start = time.perf_counter()
         out = step()
-        kind = "prefill" if any(n > 1 for n in engine.last_scheduler_output.num_scheduled_tokens.values()) else "decode"
+        kind = "prefill" if any(n > 1 for n in out.scheduler_output.num_scheduled_tokens.values()) else "decode"
         step_times[kind][0] += time.perf_counter() - start
         step_times[kind][1] += 1
         return out

@@ -33,6 +33,19 @@ FINISH_REASONS = ("stop", "length", "abort")
 disable_created_metrics()
 
 
+class CounterGrowth:
+    """The growth of cumulative counters since the previous call: the scheduler keeps running
+    totals; Prometheus counters and the log line's window each need what was added."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def take(self, **totals: int) -> dict[str, int]:
+        growth = {name: total - self._last.get(name, 0) for name, total in totals.items()}
+        self._last.update(totals)
+        return growth
+
+
 def iteration_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     """vLLM's step-size buckets up to the step budget: larger ones can never fill."""
     return tuple(b for b in _ITERATION_TOKEN_BUCKETS if b <= max_num_batched_tokens) or (1,)
@@ -91,9 +104,7 @@ class EngineMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens computed per engine step.",
             iteration_token_buckets(max_num_batched_tokens))
-        self._last_prefix_queries = 0
-        self._last_prefix_hits = 0
-        self._last_preemptions = 0
+        self._growth = CounterGrowth()
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
         """Gauges from a snapshot; counters by the growth of the scheduler's cumulative ones."""
@@ -101,12 +112,11 @@ class EngineMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_swapped.set(stats.num_swapped)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
-        queries, hits = stats.prefix_cache.queries, stats.prefix_cache.hits
-        self.prefix_cache_queries.inc(queries - self._last_prefix_queries)
-        self.prefix_cache_hits.inc(hits - self._last_prefix_hits)
-        self.num_preemptions.inc(stats.num_preemptions - self._last_preemptions)
-        self._last_prefix_queries, self._last_prefix_hits = queries, hits
-        self._last_preemptions = stats.num_preemptions
+        growth = self._growth.take(queries=stats.prefix_cache.queries, hits=stats.prefix_cache.hits,
+                                   preemptions=stats.num_preemptions)
+        self.prefix_cache_queries.inc(growth["queries"])
+        self.prefix_cache_hits.inc(growth["hits"])
+        self.num_preemptions.inc(growth["preemptions"])
 
     def record_iteration(self, num_scheduled_tokens: int) -> None:
         if num_scheduled_tokens > 0:
@@ -160,7 +170,7 @@ class StatsLogger:
     def __init__(self, interval_s: float, now: float) -> None:
         self.interval_s = interval_s
         self._window = _Window(now)
-        self._last_prefix = (0, 0)  # cumulative (queries, hits) at the last line
+        self._prefix_growth = CounterGrowth()  # prefix-cache lookups since the last line
         self._logged_idle = False
 
     def add_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
@@ -174,8 +184,8 @@ class StatsLogger:
             return
         idle = (w.prompt_tokens == 0 and w.generation_tokens == 0 and stats.num_running == 0
                 and stats.num_waiting == 0 and stats.num_swapped == 0)
-        queries = stats.prefix_cache.queries - self._last_prefix[0]
-        hits = stats.prefix_cache.hits - self._last_prefix[1]
+        growth = self._prefix_growth.take(queries=stats.prefix_cache.queries, hits=stats.prefix_cache.hits)
+        queries, hits = growth["queries"], growth["hits"]
         if not (idle and self._logged_idle):
             logger.info(
                 "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
@@ -185,5 +195,4 @@ class StatsLogger:
                 stats.num_waiting, stats.num_swapped, 100 * stats.kv_cache_usage,
                 100 * hits / queries if queries > 0 else 0.0)
         self._logged_idle = idle
-        self._last_prefix = (stats.prefix_cache.queries, stats.prefix_cache.hits)
         self._window = _Window(now)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.core.helpers import assert_no_leaks
+from tests.engine.helpers import assert_engine_released
 
 
 @pytest.fixture
@@ -21,4 +21,4 @@ def make_llm():
 
     yield factory
     for llm in created:
-        assert_no_leaks(llm.engine.scheduler)
+        assert_engine_released(llm.engine)

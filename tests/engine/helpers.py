@@ -1,17 +1,68 @@
-"""Observing what the engine's scheduler decided, for tests that must show a scenario happened."""
+"""Observing what the engine's scheduler decided, injecting faults, and the engine's leak check."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from tests.core.helpers import assert_no_leaks
 from tokenweir import LLM, SamplingParams
 from tokenweir.core.scheduler import SchedulerOutput
 from tokenweir.engine.core import EngineCore
 
 
 def record_schedules(engine: EngineCore) -> list[SchedulerOutput]:
-    """Every SchedulerOutput the engine's scheduler returns from now on, in order."""
+    """Every SchedulerOutput the engine's steps report from now on, in order."""
     outputs: list[SchedulerOutput] = []
-    engine.on_scheduled = outputs.append
+    step = engine.step
+
+    def recording_step():
+        result = step()
+        outputs.append(result.scheduler_output)
+        return result
+
+    engine.step = recording_step  # type: ignore[method-assign]
     return outputs
+
+
+class FailsOnce:
+    """Wraps a callable (a model, a sampler) so that its n-th call raises; other attributes
+    pass through."""
+
+    def __init__(self, inner: Any, fail_on_call: int, error: Exception) -> None:
+        self.inner, self.fail_on_call, self.error, self.calls = inner, fail_on_call, error, 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise self.error
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def assert_engine_released(engine: EngineCore) -> None:
+    """After a test: no request, block or per-request state left in any layer of the engine.
+
+    The runner hears of finished requests in the next step's SchedulerOutput; an idle step
+    delivers them, as the next request's first step would. A finished or preempted id lost on
+    the way (a failed step) leaves the runner's state or a seeded generator behind, and fails here.
+    """
+    assert_no_leaks(engine.scheduler)
+    kv = engine.scheduler.kv_cache_manager
+    assert kv.num_cached_blocks == {}, kv.num_cached_blocks
+    assert engine.states == {}, list(engine.states)
+    engine.step()
+    assert engine.runner.requests == {}, list(engine.runner.requests)
+    assert engine.runner.generators == {}, list(engine.runner.generators)
+
+
+def assert_async_engine_released(engine: Any) -> None:
+    """assert_engine_released for an idle AsyncLLMEngine (its thread waits on its command
+    queue, so the test thread may use the core), plus its stream tables."""
+    assert engine._side.streams == {} and engine._side.progress == {}, list(engine._side.streams)
+    assert engine._active == {}, list(engine._active)
+    assert_engine_released(engine.core)
 
 
 def num_continued_prefill_chunks(outputs: list[SchedulerOutput]) -> int:

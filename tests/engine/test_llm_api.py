@@ -155,8 +155,9 @@ def test_an_output_processing_error_fails_that_request_only(make_llm, tiny_model
     engine.add_request("good", "three four", params)
     finished, failed = {}, {}
     while engine.has_unfinished_requests():
-        finished.update((o.request_id, o) for o in engine.step() if o.finished)
-        failed.update(engine.take_failed_requests())
+        result = engine.step()
+        finished.update((o.request_id, o) for o in result.outputs if o.finished)
+        failed.update(result.failed)
     assert list(failed) == ["bad"] and "exploded" in str(failed["bad"])
     assert list(finished) == ["good"] and len(finished["good"].outputs[0].token_ids) == 5
     assert engine.states == {}
@@ -166,7 +167,7 @@ def test_an_output_processing_error_fails_that_request_only(make_llm, tiny_model
 
     # Offline, the failure surfaces as an exception and the batch's other requests are aborted.
     monkeypatch.setattr(engine.output_processor, "process_tokens", always_failing)
-    with pytest.raises(RuntimeError, match="processing the output of request .* failed"):
+    with pytest.raises(RuntimeError, match="request .* failed in the engine: ValueError..boom"):
         llm.generate(["one", "two"], SamplingParams(max_tokens=3), use_tqdm=False)
 
 
@@ -299,3 +300,55 @@ def test_greedy_min_tokens_in_bf16(make_llm, tiny_model_dir):
     out = llm.generate(["hello world", "one two"], SamplingParams(max_tokens=6, min_tokens=6, temperature=0),
                        use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in out] == [6, 6]
+
+
+def test_outputs_are_snapshots_not_views_of_live_lists(make_llm, tiny_model_dir):
+    engine = make_llm(tiny_model_dir("llama"), **KV).engine
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=5, temperature=0, logprobs=2, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step().outputs)
+    # Each output still shows what it showed when it was made: one logprob entry per token.
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [1, 2, 3, 4, 5]
+    assert [len(o.outputs[0].logprobs) for o in outputs] == [1, 2, 3, 4, 5]
+
+
+def test_add_request_is_atomic(make_llm, tiny_model_dir, monkeypatch):
+    engine = make_llm(tiny_model_dir("llama"), **KV).engine
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no output state")
+
+    monkeypatch.setattr(engine.output_processor, "new_state", broken)
+    with pytest.raises(RuntimeError, match="no output state"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2))
+    # Nothing half-added: the scheduler never saw it, and the id is free again.
+    assert not engine.has_unfinished_requests() and engine.states == {}
+    monkeypatch.undo()
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=2))
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def test_time_comes_from_the_engines_monotonic_clock(make_llm, tiny_model_dir):
+    import itertools
+    import time
+
+    from tests.engine.helpers import assert_engine_released
+    from tokenweir.engine.core import EngineCore
+
+    engine = make_llm(tiny_model_dir("llama"), **KV).engine
+    before = time.monotonic()
+    request = engine.add_request("default", [5, 6], SamplingParams(max_tokens=1))
+    assert before <= request.arrival_time <= time.monotonic()  # monotonic by default, not time.time()
+    engine.abort_requests(["default"])
+    # An injected clock is the only time the scheduler and the outputs see.
+    ticks = itertools.count(100.0)
+    core = EngineCore(engine.args, engine.loaded, clock=lambda: next(ticks))
+    core.add_request("r", [5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+    final = None
+    while core.has_unfinished_requests():
+        final = core.step().outputs[-1]
+    m = final.metrics
+    assert m.arrival_time == 100.0 and 100.0 < m.first_scheduled_time < m.first_token_time < m.finished_time < 120.0
+    assert_engine_released(core)

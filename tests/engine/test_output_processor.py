@@ -59,3 +59,21 @@ def test_running_text_holds_back_a_possible_stop_prefix(tokenizer):
     assert shown[-1] == "one two three four five"[:-(len(stop) - 1)]
     request.status = RequestStatus.FINISHED_LENGTH
     assert OutputProcessor(tokenizer).make_output(state).outputs[0].text == "one two three four five"
+
+
+def test_the_processor_reports_a_stop_string_finish_and_a_failure(tokenizer):
+    processor = OutputProcessor(tokenizer)
+    requests = [Request(rid, tokenizer.encode("Say:"), SamplingParams(max_tokens=100, stop=["two"]))
+                for rid in ("stops", "runs", "breaks")]
+    states = [processor.new_state(r, "Say:") for r in requests]
+    for request, text in zip(requests, (" one two", " one", " one")):
+        for token in tokenizer.encode(text):
+            request.append_output_token(token, now=0.0)
+    requests[2].sampling_params.stop = [None]  # corrupt: checking its stop strings raises
+    items = [(s, r.num_output_tokens, None) for s, r in zip(states, requests)]
+    result = processor.process_step(items)
+    assert result.finished == {"stops": RequestStatus.FINISHED_STOPPED}
+    assert list(result.failed) == ["breaks"]
+    # The output says why the text ends, whatever status the scheduler gave the request.
+    requests[0].status = RequestStatus.FINISHED_LENGTH
+    assert processor.make_output(states[0]).outputs[0].finish_reason == "stop"

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-from tests.core.helpers import assert_no_leaks
+from tests.engine.helpers import assert_async_engine_released
 from tokenweir.config import EngineArgs
 from tokenweir.engine.async_engine import AsyncLLMEngine
 from tokenweir.server.openai_api import build_app
@@ -51,8 +51,7 @@ def assert_engine_clean(engine: AsyncLLMEngine) -> None:
     """Wait for the engine to go idle, then check nothing leaked (its thread is blocked on its
     command queue by then, so reading the scheduler is safe)."""
     wait_until(lambda: engine.num_unfinished_requests() == 0, "the engine to go idle")
-    assert_no_leaks(engine.core.scheduler)
-    assert engine.core.states == {}
+    assert_async_engine_released(engine)
 
 
 class ServerThread:
@@ -113,7 +112,7 @@ def gate(engine: AsyncLLMEngine, make_server: Callable[..., str],
     """Hold the engine before each step until the test sets the event: requests queue up
     deterministically, whatever the machine's speed. (It depends on make_server so that it
     opens before the servers' leak check runs.)"""
-    _, release = hold_calls(engine.core, "step", monkeypatch)
+    _, release = hold_calls(engine.core, "schedule", monkeypatch)
     yield release
     release.set()
 

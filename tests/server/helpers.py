@@ -43,11 +43,12 @@ def value(samples: dict[tuple[str, frozenset], float], name: str, **labels: str)
 
 def slow_down_steps(core: Any, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
     """Make every step of `core` (an EngineCore) take at least `seconds` longer, so that a test
-    can act while a request runs or read each output before the next one comes."""
-    step = core.step
+    can act while a request runs or read each output before the next one comes. (The async
+    engine runs a step as `schedule()` then `execute()`; the delay comes before scheduling.)"""
+    schedule = core.schedule
 
-    def slow_step():
+    def slow_schedule():
         time.sleep(seconds)
-        return step()
+        return schedule()
 
-    monkeypatch.setattr(core, "step", slow_step)
+    monkeypatch.setattr(core, "schedule", slow_schedule)

@@ -7,9 +7,15 @@ import asyncio
 import httpx
 import pytest
 
-from tests.server.conftest import MAX_MODEL_LEN, assert_engine_clean, make_engine
-from tests.server.helpers import slow_down_steps
+from prometheus_client import CollectorRegistry
+
+from tests.engine.helpers import FailsOnce
+from tests.hf_reference import hf_greedy
+from tests.server.conftest import MAX_MODEL_LEN, assert_engine_clean, hold_calls, make_engine, wait_until
+from tests.server.helpers import MODEL, slow_down_steps
+from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine.async_engine import EngineDeadError, RequestFailedError
+from tokenweir.engine.client import EngineClient, ModelInfo
 from tokenweir.request import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -73,6 +79,11 @@ def test_abort_ends_the_stream(clean):
     assert rest[-1].finished and rest[-1].outputs[0].finish_reason == "abort"
 
 
+def num_aborted(engine) -> float:
+    return engine.metrics_registry.get_sample_value(
+        "tokenweir:request_success_total", {"model_name": MODEL, "finished_reason": "abort"}) or 0.0
+
+
 def test_leaving_the_stream_early_aborts(clean):
     async def run():
         params = SamplingParams(max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)
@@ -80,7 +91,11 @@ def test_leaving_the_stream_early_aborts(clean):
             assert not out.finished
             break
 
-    asyncio.run(run())  # the fixture checks the request is gone and its blocks are free
+    before = num_aborted(clean)
+    asyncio.run(run())
+    # The request ended by the abort, not by running to max_tokens in the background.
+    wait_until(lambda: clean.num_unfinished_requests() == 0, "the engine to go idle")
+    assert num_aborted(clean) == before + 1
 
 
 def test_output_processing_error_fails_only_that_request(clean, monkeypatch):
@@ -103,28 +118,64 @@ def test_output_processing_error_fails_only_that_request(clean, monkeypatch):
     assert good[-1].outputs[0].finish_reason == "length" and len(good[-1].outputs[0].token_ids) == 6
 
 
-def test_step_error_fails_requests_in_flight_and_the_engine_goes_on(clean, monkeypatch):
-    reference = asyncio.run(collect(clean, "ref", [5, 6, 7]))[-1].outputs[0].token_ids
-    runner = clean.core.runner
-    execute_model = runner.execute_model
-    calls = {"n": 0}
+ORACLE_PARAMS = SamplingParams(max_tokens=6, min_tokens=6, temperature=0.0)
 
-    def fails_once(scheduler_output):
-        calls["n"] += 1
-        if calls["n"] == 3:
-            raise RuntimeError("device lost")
-        return execute_model(scheduler_output)
 
-    monkeypatch.setattr(runner, "execute_model", fails_once)
+@pytest.fixture
+def one_at_a_time(tiny_model_dir):
+    """An engine that runs one request per step: "a" (added first) runs alone while "b" waits."""
+    engine = make_engine(tiny_model_dir("llama"), max_num_seqs=1)
+    yield engine
+    assert_engine_clean(engine)
+    engine.shutdown()
+
+
+def run_a_and_b(engine):
+    async def run():
+        return await asyncio.gather(collect(engine, "a", [5, 6, 7], ORACLE_PARAMS),
+                                    collect(engine, "b", [8, 9], ORACLE_PARAMS), return_exceptions=True)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("fault", ["forward", "between_schedule_and_execute"])
+def test_a_failed_step_fails_only_its_requests(one_at_a_time, tiny_model_dir, monkeypatch, fault):
+    engine = one_at_a_time
+    if fault == "forward":
+        engine.core.runner.model = FailsOnce(engine.core.runner.model, 3, RuntimeError("device lost"))
+    else:
+        monkeypatch.setattr(engine, "_publish_waiting", FailsOnce(engine._publish_waiting, 3,
+                                                                  RuntimeError("device lost")))
+    a, b = run_a_and_b(engine)
+    assert isinstance(a, RequestFailedError) and "device lost" in str(a)
+    # "b" was in flight (waiting) but not in the failed step: it runs on, to the oracle's tokens.
+    assert b[-1].outputs[0].token_ids == hf_greedy(tiny_model_dir("llama"), [[8, 9]], 6, pad_token_id=0)[0]
+    assert engine.is_running
+
+
+def test_the_engine_client_interface(clean, monkeypatch):
+    assert isinstance(clean, EngineClient)
+    assert clean.model_info == ModelInfo(MODEL, MAX_MODEL_LEN, 256)
+    assert clean.tokenizer.decode(clean.tokenizer.encode("hello world", add_special_tokens=False)) == "hello world"
+    assert clean.is_running and clean.dead_error is None
+    assert isinstance(clean.metrics_registry, CollectorRegistry)
+    assert clean.metrics_registry.get_sample_value("tokenweir:num_requests_running", {"model_name": MODEL}) == 0
+    entered, release = hold_calls(clean.core, "schedule", monkeypatch)
 
     async def run():
-        return await asyncio.gather(collect(clean, "a", [5, 6, 7]), collect(clean, "b", [8, 9]),
-                                    return_exceptions=True)
+        outputs = await clean.add_request("held", [5, 6, 7], GREEDY)
+        await asyncio.to_thread(entered.wait)
+        waiting = clean.num_waiting_requests()
+        clean.abort("held")
+        clean.abort("unknown")  # ignored
+        release.set()
+        return waiting, [out async for out in outputs]
 
-    results = asyncio.run(run())
-    assert all(isinstance(r, RequestFailedError) and "device lost" in str(r) for r in results)
-    # The same request afterwards gives the same greedy tokens: no state was left behind.
-    assert asyncio.run(collect(clean, "again", [5, 6, 7]))[-1].outputs[0].token_ids == reference
+    waiting, outputs = asyncio.run(run())
+    assert waiting == 1
+    assert outputs[-1].finished and outputs[-1].outputs[0].finish_reason == "abort"
+    stats = clean.get_stats()
+    assert isinstance(stats, SchedulerStats) and stats.num_running == 0 and stats.num_waiting == 0
 
 
 def test_shutdown_fails_streams_and_later_calls(tiny_model_dir, make_server):

@@ -7,9 +7,10 @@ request's outputs back with `loop.call_soon_threadsafe`. Between two steps the e
 drains every queued command, so an abort frees the request's KV blocks before the next step.
 
 Failures stay as small as they can be: a bad prompt fails its `add_request` (ValueError), an
-error in one request's output processing fails that request's stream, an exception in a whole
-step fails the requests in flight and the engine goes on serving new ones. Only an error in the
-loop itself kills the engine, and then every stream and every later call says so.
+error in one request's output processing fails that request's stream, an exception in a step
+fails the requests that step scheduled (EngineCore's StepResult names them) and every other
+request goes on. Only an error in the loop itself (or in the scheduler's `schedule()`, after
+which its state is unknown) kills the engine, and then every stream and every later call says so.
 """
 
 from __future__ import annotations
@@ -19,14 +20,13 @@ import copy
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Union
 
 from tokenweir.config import EngineArgs
 from prometheus_client import CollectorRegistry
 
-from tokenweir.core.scheduler import SchedulerOutput, SchedulerStats
+from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine.client import ModelInfo
 from tokenweir.engine.core import EngineCore
 from tokenweir.engine.output import RequestOutput
@@ -163,12 +163,14 @@ class _EngineSide:
 
 
 class AsyncLLMEngine:
+    """The asyncio front of one in-process EngineCore; implements `EngineClient`."""
+
     def __init__(self, core: EngineCore, *, log_stats: Optional[bool] = None,
                  stats_interval_s: float = STATS_LOG_INTERVAL_S) -> None:
         self.core = core
         self.model_name = core.served_model_name
-        # The scheduler's limit also counts the KV pool and, without chunked prefill, the budget.
-        self.max_model_len = core.scheduler.max_model_len
+        self.max_model_len = core.max_model_len
+        self._clock = core.clock  # one clock for the scheduler's times and the token metrics
         self.model_info = ModelInfo(self.model_name, self.max_model_len, core.loaded.arch.vocab_size)
         # The server tokenizes in its threads while the engine thread detokenizes. A copy of
         # its own keeps the engine thread off the server's Rust tokenizer, whose mutating calls
@@ -176,7 +178,7 @@ class AsyncLLMEngine:
         self.tokenizer = copy.deepcopy(core.tokenizer)
         self.metrics = EngineMetrics(self.model_name, core.scheduler_config.max_num_batched_tokens)
         log_stats = not core.args.disable_log_stats if log_stats is None else log_stats
-        self._stats_logger = StatsLogger(stats_interval_s, time.time()) if log_stats else None
+        self._stats_logger = StatsLogger(stats_interval_s, self._clock()) if log_stats else None
         self._idle_wait_s = stats_interval_s if log_stats else None
         self._side = _EngineSide()
         self._commands: queue.SimpleQueue[Union[_Add, _Abort, _Shutdown]] = queue.SimpleQueue()
@@ -192,9 +194,6 @@ class AsyncLLMEngine:
         self._num_waiting = 0
         self._num_unfinished = 0
         self._stats = core.get_stats()
-        # Requests a step admits run from its scheduling on, though the step (a long prefill)
-        # may take seconds more: they must not count toward the server's waiting limit.
-        core.on_scheduled = self._publish_waiting
         self._thread = threading.Thread(target=self._run, name="tokenweir-engine", daemon=True)
         self._thread.start()
 
@@ -324,6 +323,7 @@ class AsyncLLMEngine:
         for stream in self._side.streams.values():
             stream.put_error(reason)
         self._side.streams.clear()
+        self._side.progress.clear()
         try:
             # Free what the requests held, so a shut-down engine leaves no blocks behind.
             self.core.abort_requests(list(self.core.states))
@@ -345,8 +345,8 @@ class AsyncLLMEngine:
                 self._step()
                 self._publish_stats()
 
-    def _publish_waiting(self, _: SchedulerOutput) -> None:
-        self._num_waiting = len(self.core.scheduler.waiting)
+    def _publish_waiting(self) -> None:
+        self._num_waiting = self.core.num_waiting_requests()
 
     def _handle_commands(self, block: bool) -> tuple[list[tuple[RequestStream, Optional[BaseException]]], bool]:
         """Run every queued command (waiting for one if `block`); returns the add acks and
@@ -373,12 +373,10 @@ class AsyncLLMEngine:
         try:
             self.core.add_request(rid, command.prompt, command.params, command.hints,
                                   prompt_text=command.prompt_text)
-        except Exception as e:
+        except Exception as e:  # EngineCore.add_request is atomic: nothing was added
             if not isinstance(e, ValueError):
                 logger.exception("adding request %s failed", rid)
                 e = RequestFailedError(f"adding the request failed: {e!r}")
-            # A request that failed half-way in (queued, its output state missing) must not stay.
-            self.core.abort_requests([rid])
             return e
         self._side.streams[rid] = command.stream
         self._side.progress[rid] = _Progress()
@@ -386,28 +384,28 @@ class AsyncLLMEngine:
 
     def _abort(self, request_id: str) -> None:
         for output in self.core.abort_requests([request_id]):
-            self._deliver(output, time.time())
+            self._deliver(output, self._clock())
 
     def _step(self) -> None:
-        side = self._side
+        # The step's two phases, called here rather than through `core.step()`: requests a step
+        # admits run from its scheduling on, though the model (a long prefill) may take seconds
+        # more, so the waiting count the server's limit reads is published in between.
+        scheduled = self.core.schedule()
         try:
-            outputs = self.core.step()
+            self._publish_waiting()
+            result = self.core.execute(scheduled)
         except Exception as e:
-            in_flight = list(side.streams.keys() | self.core.states.keys())
-            logger.exception("engine step failed; failing the %d requests in flight", len(in_flight))
-            self.core.take_failed_requests()
-            self._fail_requests(in_flight, RequestFailedError(f"engine step failed: {e!r}"))
-            return
-        now = time.time()
-        if self.core.last_scheduler_output is not None:
-            self.metrics.record_iteration(self.core.last_scheduler_output.total_num_scheduled_tokens)
-        for output in outputs:
+            logger.exception("engine step failed before the model ran")
+            result = self.core.fail_step(scheduled, e)
+        self.metrics.record_iteration(result.scheduler_output.total_num_scheduled_tokens)
+        now = self._clock()
+        for output in result.outputs:
             self._deliver(output, now)
-        for rid, error in self.core.take_failed_requests().items():
-            logger.error("output processing of request %s failed: %r", rid, error)
-            failed = RequestFailedError(f"output processing failed: {error!r}")
+        for rid, error in result.failed.items():
+            logger.error("request %s failed in the engine: %r", rid, error)
+            failed = RequestFailedError(f"the engine failed this request: {error!r}")
             failed.__cause__ = error
-            self._fail_requests([rid], failed)
+            self._fail_stream(rid, failed)
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         """Count the output's new tokens and hand it to its stream (metrics first, so that a
@@ -434,14 +432,12 @@ class AsyncLLMEngine:
         if num_new > 0 or output.finished:
             stream.put_output(output)
 
-    def _fail_requests(self, request_ids: list[str], error: BaseException) -> None:
-        """Abort these requests in the engine (freeing their blocks) and fail their streams."""
-        self.core.abort_requests(request_ids)
-        for rid in request_ids:
-            self._side.progress.pop(rid, None)
-            stream = self._side.streams.pop(rid, None)
-            if stream is not None:
-                stream.put_error(error)
+    def _fail_stream(self, request_id: str, error: BaseException) -> None:
+        """End a request's stream with an error (the engine has already dropped the request)."""
+        self._side.progress.pop(request_id, None)
+        stream = self._side.streams.pop(request_id, None)
+        if stream is not None:
+            stream.put_error(error)
 
     def _publish_stats(self) -> None:
         stats = self._stats = self.core.get_stats()
@@ -449,4 +445,4 @@ class AsyncLLMEngine:
         self._num_waiting = stats.num_waiting
         self._num_unfinished = len(self.core.states)
         if self._stats_logger is not None:
-            self._stats_logger.maybe_log(stats, time.time())
+            self._stats_logger.maybe_log(stats, self._clock())

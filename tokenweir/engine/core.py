@@ -1,10 +1,17 @@
-"""EngineCore: the model, the scheduler and the runner; one step = schedule -> execute -> update."""
+"""EngineCore: the model, the scheduler and the runner; one step = schedule -> execute -> update.
+
+A step is all-or-nothing for the requests in it: if anything in it raises, exactly the requests
+it scheduled fail (aborted in the scheduler, so their blocks come back; dropped from the runner
+and the output processor); every other request goes on. `step()` returns everything the step
+produced in one `StepResult`.
+"""
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
 import torch
@@ -17,7 +24,7 @@ from tokenweir.engine.output import OutputProcessor, OutputState, RequestOutput
 from tokenweir.model.arch import kv_cache_bytes_per_block
 from tokenweir.model.loader import LoadedModel, load_model
 from tokenweir.model.runner import ModelRunner
-from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
+from tokenweir.request import Request, SamplingParams, SchedulingHints
 
 logger = logging.getLogger("tokenweir")
 
@@ -41,31 +48,40 @@ def _num_kv_blocks(args: EngineArgs, loaded: LoadedModel) -> int:
     return num_blocks
 
 
+@dataclass
+class StepResult:
+    """What one engine step produced."""
+
+    outputs: list[RequestOutput]  # requests that gained tokens or finished in this step
+    # Requests that failed in this step, with the error: already aborted (blocks freed) and
+    # left out of `outputs`; the caller reports the errors.
+    failed: dict[str, BaseException]
+    scheduler_output: SchedulerOutput  # what the step scheduled (its iteration stats)
+
+
 class EngineCore:
-    def __init__(self, args: EngineArgs, loaded: Optional[LoadedModel] = None) -> None:
+    def __init__(self, args: EngineArgs, loaded: Optional[LoadedModel] = None, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.args = args
+        # The engine's clock: every `now` the scheduler sees, arrival times and output metrics.
+        # Monotonic, so intervals stay true when the wall clock is set.
+        self.clock = clock
         self.loaded = loaded or load_model(args.model, args.dtype, args.device)
         if self.loaded.device.type == "cpu":
             keep_freed_memory()
         self.tokenizer = self.loaded.tokenizer
         arch = self.loaded.arch
-        # Models such as Llama 3 Instruct end a turn with more than one token: the ids that
-        # generation_config adds to the primary EOS stop requests as stop token ids (as in vLLM).
-        self._extra_eos_ids = [t for t in arch.eos_token_ids if t != arch.eos_token_id]
         num_blocks = _num_kv_blocks(args, self.loaded)
         self.cache_config, self.scheduler_config = args.create_engine_configs(
             arch.max_model_len, num_blocks)
-        self.max_model_len = self.scheduler_config.max_model_len
         self.served_model_name = args.served_model_name or self.loaded.name
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        # The longest request (prompt + output): the scheduler's limit, which also counts the
+        # KV pool and, without chunked prefill, the step budget. Everyone reads it from here.
+        self.max_model_len = self.scheduler.max_model_len
         self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, args.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.states: dict[str, OutputState] = {}
-        self.last_scheduler_output: Optional[SchedulerOutput] = None  # for metrics and checks
-        # Called once a step has scheduled, before the model runs (which may take seconds): the
-        # async front publishes its waiting count from here.
-        self.on_scheduled: Optional[Callable[[SchedulerOutput], None]] = None
-        self._failed: dict[str, Exception] = {}
         num_tokens = num_blocks * args.block_size
         logger.info("model %s (%s, %s on %s)", self.served_model_name, self.loaded.path,
                     str(self.loaded.dtype).removeprefix("torch."), self.loaded.device)
@@ -81,6 +97,7 @@ class EngineCore:
         return list(prompt)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        """The engine's one prompt check (the scheduler and Request never see a bad prompt)."""
         if not prompt_token_ids:
             raise ValueError("the prompt is empty: it must contain at least one token")
         if len(prompt_token_ids) > self.max_model_len:
@@ -94,7 +111,11 @@ class EngineCore:
     def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                     hints: SchedulingHints = SchedulingHints(), *,
                     prompt_text: Optional[str] = None) -> Request:
-        """Validate and queue a request; raises ValueError with a precise message on bad input."""
+        """Validate and queue a request; raises ValueError with a precise message on bad input.
+
+        Atomic: everything that can fail (checks, tokenization, the output state) happens before
+        the scheduler sees the request, so a raise leaves nothing behind.
+        """
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(hints, SchedulingHints):
@@ -105,29 +126,38 @@ class EngineCore:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids below the vocabulary size ({vocab}), "
                              f"got {params.stop_token_ids}")
-        params = self._with_extra_eos(params)
-        request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params,
-                          arrival_time=time.time() if hints.arrival_time is None else hints.arrival_time,
+        request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                          sampling_params=self._with_eos_stop_ids(params),
+                          arrival_time=self.clock() if hints.arrival_time is None else hints.arrival_time,
                           eos_token_id=self.loaded.arch.eos_token_id, hints=hints)
-        self.scheduler.add_request(request)
-        if request.status == RequestStatus.FINISHED_IGNORED:
-            raise ValueError(request.status_message)
-        self.states[request_id] = self.output_processor.new_state(
-            request, prompt if isinstance(prompt, str) else prompt_text)
+        state = self.output_processor.new_state(request, prompt if isinstance(prompt, str) else prompt_text)
+        self.scheduler.add_request(request)  # queues it or raises, nothing in between
+        self.states[request_id] = state
         return request
 
-    def _with_extra_eos(self, params: SamplingParams) -> SamplingParams:
-        """`params` with the model's extra EOS ids among its stop ids, unless it ignores EOS."""
-        if not self._extra_eos_ids or params.ignore_eos:
+    def _with_eos_stop_ids(self, params: SamplingParams) -> SamplingParams:
+        """`params` with every EOS id of the model among its stop ids, unless it ignores EOS.
+
+        The one place where the model's EOS ids become stop conditions: the scheduler stops on
+        the stop ids and the sampler masks them below min_tokens. Models such as Llama 3
+        Instruct end a turn with more than one token (generation_config adds EOS ids); as in
+        vLLM those report the id as stop_reason, while `Request.eos_token_id`, the primary EOS,
+        is checked first and reports none.
+        """
+        if params.ignore_eos:
             return params
-        extra = [t for t in self._extra_eos_ids if t not in params.stop_token_ids]
+        extra = [t for t in self.loaded.arch.eos_token_ids if t not in params.stop_token_ids]
         if not extra:
             return params
-        return dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+        # A copy, not dataclasses.replace: the user's list was validated against its bound,
+        # the model's EOS ids must not count toward it.
+        params = copy.copy(params)
+        params.stop_token_ids = params.stop_token_ids + extra
+        return params
 
     def abort_requests(self, request_ids: list[str]) -> list[RequestOutput]:
         """Abort and return the final (aborted) outputs of those that were still unfinished."""
-        self.scheduler.abort_requests(request_ids, now=time.time())
+        self.scheduler.abort_requests(request_ids, now=self.clock())
         outputs = []
         for rid in request_ids:
             state = self.states.pop(rid, None)
@@ -138,55 +168,84 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def num_waiting_requests(self) -> int:
+        return len(self.scheduler.waiting)
+
     # ------------------------------------------------------------------ the step
 
-    def step(self) -> list[RequestOutput]:
-        scheduler_output = self.scheduler.schedule(now=time.time())
-        if self.on_scheduled is not None:
-            self.on_scheduled(scheduler_output)
-        try:
-            runner_output = self.runner.execute_model(scheduler_output)
-            now = time.time()
-            updates = self.scheduler.update_from_output(scheduler_output, runner_output.sampled_token_ids, now)
-        except BaseException:
-            self.scheduler.fail_step(scheduler_output, time.time())
-            raise
-        stopped = []
-        for update in updates:
-            rid = update.request.request_id
-            try:
-                if self.output_processor.process_tokens(self.states[rid], len(update.new_token_ids),
-                                                        runner_output.logprobs.get(rid)):
-                    stopped.append(rid)
-            except Exception as e:  # one request's output failing must not fail the others
-                self._failed[rid] = e
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED, now)
-            for rid in stopped:
-                request = self.states[rid].request
-                if request.status == RequestStatus.FINISHED_LENGTH:
-                    # The token that completed the stop string also hit max_tokens: the stop
-                    # string is why the text ends where it does (vLLM reports "stop" too).
-                    request.status = RequestStatus.FINISHED_STOPPED
-        if self._failed:
-            self.scheduler.abort_requests(list(self._failed), now)
-        outputs = []
-        for update in updates:
-            rid = update.request.request_id
-            if rid in self._failed:
-                self.states.pop(rid, None)
-                continue
-            outputs.append(self.output_processor.make_output(self.states[rid]))
-            if update.request.is_finished:
-                del self.states[rid]
-        self.last_scheduler_output = scheduler_output
-        return outputs
+    def step(self) -> StepResult:
+        return self.execute(self.schedule())
 
-    def take_failed_requests(self) -> dict[str, Exception]:
-        """Requests whose output processing raised since the last call: already aborted (blocks
-        freed) and left out of step()'s outputs; the caller reports the errors."""
-        failed, self._failed = self._failed, {}
-        return failed
+    # A caller that must act once a step has scheduled and before the model runs (the async
+    # engine publishes its waiting count there) calls the two phases itself: no callback slot
+    # that a second user could overwrite. If it cannot go on to `execute`, it must hand the
+    # scheduled step to `fail_step`, or the step's requests would stay scheduled for good.
+
+    def schedule(self) -> SchedulerOutput:
+        """Phase 1: decide the step (the scheduler allocates its blocks)."""
+        return self.scheduler.schedule(now=self.clock())
+
+    def execute(self, scheduled: SchedulerOutput) -> StepResult:
+        """Phase 2: run the model on a scheduled step and update every layer from the result.
+
+        Never raises for a failure inside the step (an interrupt is re-raised once the step is
+        undone): the failure fails the step's requests (see `fail_step`). A failure in one
+        request's output processing fails that request only.
+        """
+        failed: dict[str, BaseException] = {}
+        try:
+            runner_output = self.runner.execute_model(scheduled)
+            now = self.clock()
+            updates = self.scheduler.update_from_output(scheduled, runner_output.sampled_token_ids, now)
+            processed = self.output_processor.process_step(
+                (self.states[u.request.request_id], len(u.new_token_ids),
+                 runner_output.logprobs.get(u.request.request_id)) for u in updates)
+            for status in set(processed.finished.values()):
+                self.scheduler.finish_requests(
+                    [rid for rid, s in processed.finished.items() if s == status], status, now)
+            failed = self._fail(processed.failed)
+            result = StepResult([], failed, scheduled)
+            finished = []
+            for update in updates:
+                state = self.states.get(update.request.request_id)
+                if state is not None:  # else it failed above
+                    result.outputs.append(self.output_processor.make_output(state))
+                    if update.request.is_finished:
+                        finished.append(update.request.request_id)
+            # Only once every output exists: a raise above must still find every state to fail.
+            for rid in finished:
+                del self.states[rid]
+            return result
+        except BaseException as e:
+            logger.exception("engine step failed; failing its %d requests", len(scheduled.num_scheduled_tokens))
+            result = self.fail_step(scheduled, e)
+            result.failed = {**failed, **result.failed}  # requests failed before the raise, too
+            if not isinstance(e, Exception):
+                raise  # KeyboardInterrupt and the like: undone, but not swallowed
+            return result
+
+    def fail_step(self, scheduled: SchedulerOutput, error: BaseException) -> StepResult:
+        """Fail every request `scheduled` holds: a step that raised, or one its caller could not
+        run. The runner also drops the step's finished and preempted ids, which it would have
+        been told while running it, so no state and no seeded generator outlives its request."""
+        preempted = scheduled.preempted_req_ids - scheduled.num_scheduled_tokens.keys()
+        self.runner.drop_requests(scheduled.finished_req_ids)
+        self.runner.drop_requests(preempted, keep_generators=True)
+        if self.scheduler.step_in_flight == scheduled.step_id:
+            # Settles the step: its still-live requests are aborted (blocks freed), and none that
+            # update_from_output had finished stays among the running ones.
+            self.scheduler.fail_step(scheduled, self.clock())
+        return StepResult([], self._fail({rid: error for rid in scheduled.num_scheduled_tokens}), scheduled)
+
+    def _fail(self, errors: dict[str, BaseException]) -> dict[str, BaseException]:
+        """Abort these requests and drop their runner and output state; returns those that were
+        still live (a request the step had already finished has no state left to fail)."""
+        if errors:
+            # The abort frees their blocks (finished ids are ignored) and reports them to the
+            # runner as finished in the next step; the runner drops them now already.
+            self.scheduler.abort_requests(list(errors), self.clock())
+            self.runner.drop_requests(errors)
+        return {rid: e for rid, e in errors.items() if self.states.pop(rid, None) is not None}
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()

@@ -126,14 +126,14 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
             while len(finished) < len(ids):
-                for output in engine.step():
+                result = engine.step()
+                for output in result.outputs:
                     if output.finished:
                         finished[output.request_id] = output
                         bar.update(1)
-                failed = engine.take_failed_requests()
-                if failed:
-                    rid, error = next(iter(failed.items()))
-                    raise RuntimeError(f"processing the output of request {rid} failed: {error!r}") from error
+                if result.failed:
+                    rid, error = next(iter(result.failed.items()))
+                    raise RuntimeError(f"request {rid} failed in the engine: {error!r}") from error
         return finished
 
     def get_stats(self) -> SchedulerStats:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Union
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Union
 
-from tokenweir.request import Request
+from tokenweir.request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from tokenweir.model.runner import Logprobs
 
 # Prompt tokens decoded together with the first output tokens, so that a tokenizer which
 # renders a leading space depending on the previous token (SentencePiece, byte-level BPE)
@@ -61,6 +64,14 @@ class OutputState:
     stopped_by_string: bool = False
 
 
+@dataclass
+class ProcessedTokens:
+    """What a step's detokenization decided, for the engine to apply to the scheduler."""
+
+    finished: dict[str, RequestStatus] = field(default_factory=dict)  # a stop string matched
+    failed: dict[str, Exception] = field(default_factory=dict)  # processing this request raised
+
+
 class OutputProcessor:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
@@ -75,8 +86,21 @@ class OutputProcessor:
     def _decode(self, token_ids: list[int], skip_special: bool) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special)
 
+    def process_step(self, items: Iterable[tuple[OutputState, int, Optional[Logprobs]]]) -> ProcessedTokens:
+        """Process each (state, number of new tokens, logprobs) of a step. A request whose
+        processing raises is reported as failed; the others go on."""
+        result = ProcessedTokens()
+        for state, num_new_tokens, logprobs in items:
+            rid = state.request.request_id
+            try:
+                if self.process_tokens(state, num_new_tokens, logprobs):
+                    result.finished[rid] = RequestStatus.FINISHED_STOPPED
+            except Exception as e:  # one request's output failing must not fail the others
+                result.failed[rid] = e
+        return result
+
     def process_tokens(self, state: OutputState, num_new_tokens: int,
-                       logprobs: Optional[tuple[float, list[tuple[int, float]]]] = None) -> bool:
+                       logprobs: Optional[Logprobs] = None) -> bool:
         """Append the request's newest tokens to its text. Returns True if a stop string
         matched (the text is then cut there and the caller must finish the request)."""
         request = state.request
@@ -132,12 +156,15 @@ class OutputProcessor:
         request = state.request
         text = self.emittable_text(state)
         state.num_emitted_chars = len(text)
-        finish_reason = request.finish_reason
+        # A stop string ends the text even when the same token also reached max_tokens and the
+        # scheduler finished the request by length first (vLLM reports "stop" too).
+        finish_reason = FinishReason.STOP if state.stopped_by_string else request.finish_reason
         stop_reason = state.stop_reason if state.stopped_by_string else request.stop_reason
         completion = CompletionOutput(
             index=0, text=text, token_ids=list(request.output_token_ids),
             finish_reason=str(finish_reason) if finish_reason is not None else None,
-            stop_reason=stop_reason, logprobs=state.logprobs,
+            # Copies: the engine appends to its lists while the caller holds this output.
+            stop_reason=stop_reason, logprobs=None if state.logprobs is None else list(state.logprobs),
             cumulative_logprob=state.cumulative_logprob if state.logprobs is not None else None)
         metrics = RequestMetrics(
             arrival_time=request.arrival_time, first_scheduled_time=request.first_scheduled_time,

@@ -4,12 +4,18 @@ The runner keeps its own copy of every scheduled request's tokens and block tabl
 from SchedulerOutput (new requests arrive whole, cached ones send new block ids), so it could
 live in another process. Tokens are sampled only for requests whose prompt (or recomputation
 after preemption) is complete after this step.
+
+A step is a transaction: the scheduler's `num_computed_tokens` says where each request stands
+(the runner keeps no count of its own that could drift), and the runner's state takes the
+step's new requests, block ids and sampled tokens only once the forward pass and sampling have
+succeeded. A step that raised leaves the runner as it was, so the same SchedulerOutput can be
+run again, or its requests dropped (`drop_requests`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -33,16 +39,13 @@ class _RequestState:
     token_ids: list[int]
     num_prompt_tokens: int
     block_ids: list[int]
-    num_computed_tokens: int
     sampling_params: SamplingParams
     generator: Optional[torch.Generator]
-    banned_until_min_tokens: list[int]  # EOS and stop ids, masked while output < min_tokens
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
         self.model = loaded.model
-        self.arch = loaded.arch
         self.device = loaded.device
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, loaded.dtype, loaded.device)
@@ -54,33 +57,39 @@ class ModelRunner:
         self.generators: dict[str, torch.Generator] = {}
         torch.manual_seed(seed)  # unseeded sampling draws from the global generator
 
-    def _add_request(self, new: NewRequestData) -> None:
-        params = new.sampling_params
+    def drop_requests(self, request_ids: Iterable[str], *, keep_generators: bool = False) -> None:
+        """Forget requests (finished, aborted, failed; preempted ones keep their generators).
+        Unknown ids are ignored, so a drop may be repeated."""
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+            if not keep_generators:
+                self.generators.pop(rid, None)
+
+    def _new_state(self, new: NewRequestData) -> _RequestState:
         generator = None
-        if params.seed is not None:
+        if new.sampling_params.seed is not None:
             # A private generator per request: the same seed gives the same text whatever else
-            # shares the batch.
+            # shares the batch. Stored only when the step succeeds (see execute_model).
             generator = self.generators.get(new.request_id)
             if generator is None:
-                generator = torch.Generator(device=self.device).manual_seed(params.seed)
-                self.generators[new.request_id] = generator
-        banned = list(params.stop_token_ids)
-        if not params.ignore_eos:
-            banned += [t for t in self.arch.eos_token_ids if t not in banned]
-        self.requests[new.request_id] = _RequestState(
-            list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), new.num_computed_tokens,
-            params, generator, banned)
+                generator = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
+        return _RequestState(list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
+                             new.sampling_params, generator)
 
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in out.finished_req_ids:
-            self.generators.pop(rid, None)
-        for rid in out.finished_req_ids | out.preempted_req_ids:
-            self.requests.pop(rid, None)
-        for new in out.scheduled_new_reqs:
-            self._add_request(new)
+        # Drops are idempotent, so they may happen before the step can still fail.
+        self.drop_requests(out.finished_req_ids)
+        self.drop_requests(out.preempted_req_ids, keep_generators=True)
+        # The step's view of each request, committed to self.requests only after sampling.
+        states = {new.request_id: self._new_state(new) for new in out.scheduled_new_reqs}
+        block_tables = {rid: s.block_ids for rid, s in states.items()}
+        computed = {new.request_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
         for cached in out.scheduled_cached_reqs:
-            state = self.requests[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
+            rid = cached.request_id
+            states[rid] = self.requests[rid]
+            blocks = states[rid].block_ids
+            block_tables[rid] = blocks + cached.new_block_ids if cached.new_block_ids else blocks
+            computed[rid] = cached.num_computed_tokens
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput({})
 
@@ -88,38 +97,43 @@ class ModelRunner:
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        block_tables: list[list[int]] = []
         sample_ids: list[str] = []
         sample_rows: list[int] = []  # index of each sampling request's last token in the batch
         for rid, n in out.num_scheduled_tokens.items():
-            state = self.requests[rid]
-            start, end = state.num_computed_tokens, state.num_computed_tokens + n
+            state = states[rid]
+            start, end = computed[rid], computed[rid] + n
+            if end > len(state.token_ids):
+                raise RuntimeError(f"request {rid!r}: scheduled up to token {end}, the runner holds "
+                                   f"{len(state.token_ids)}")
             input_ids.extend(state.token_ids[start:end])
             positions.extend(range(start, end))
             query_lens.append(n)
             seq_lens.append(end)
-            block_tables.append(state.block_ids)
-            state.num_computed_tokens = end
             if end == len(state.token_ids):
                 sample_ids.append(rid)
                 sample_rows.append(len(input_ids) - 1)
 
-        meta = AttentionMetadata.build(query_lens, seq_lens, block_tables, self.block_size, self.device)
+        meta = AttentionMetadata.build(query_lens, seq_lens, [block_tables[rid] for rid in out.num_scheduled_tokens],
+                                       self.block_size, self.device)
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta, self.kv_caches)
-        if not sample_ids:
-            return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        states = [self.requests[rid] for rid in sample_ids]
-        sampled = self.sampler(logits, self._sampling_metadata(states))
-
         result = ModelRunnerOutput({})
-        for i, (rid, state) in enumerate(zip(sample_ids, states)):
-            token = sampled.token_ids[i]
-            state.token_ids.append(token)
-            result.sampled_token_ids[rid] = [token]
-            if sampled.logprobs[i] is not None:
-                result.logprobs[rid] = (sampled.logprobs[i], sampled.top_logprobs[i] or [])
+        if sample_ids:
+            logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+            sampled = self.sampler(logits, self._sampling_metadata([states[rid] for rid in sample_ids]))
+            for i, rid in enumerate(sample_ids):
+                result.sampled_token_ids[rid] = [sampled.token_ids[i]]
+                if sampled.logprobs[i] is not None:
+                    result.logprobs[rid] = (sampled.logprobs[i], sampled.top_logprobs[i] or [])
+
+        # Commit: nothing below can fail.
+        for rid, state in states.items():
+            state.block_ids = block_tables[rid]
+            self.requests[rid] = state
+            if state.generator is not None:
+                self.generators[rid] = state.generator
+        for rid, tokens in result.sampled_token_ids.items():
+            states[rid].token_ids.extend(tokens)
         return result
 
     def _sampling_metadata(self, states: list[_RequestState]) -> SamplingMetadata:
@@ -132,7 +146,9 @@ class ModelRunner:
             generators=[s.generator for s in states],
             min_tokens=[p.min_tokens for p in params],
             output_lens=[len(s.token_ids) - s.num_prompt_tokens for s in states],
-            stop_token_ids=[s.banned_until_min_tokens for s in states],
+            # The ids that would end the request: EngineCore folds every EOS id of the model
+            # into stop_token_ids (unless ignore_eos), so this is the scheduler's stop set.
+            stop_token_ids=[p.stop_token_ids for p in params],
             num_logprobs=[p.logprobs for p in params],
             device=self.device,
         )
