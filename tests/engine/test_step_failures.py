@@ -174,3 +174,12 @@ def test_a_failed_step_that_preempted_leaves_nothing_behind(make_llm, tiny_model
     assert failed_step and set(failed) == failed_step
     assert finished == {str(i): e for i, e in expected.items() if str(i) not in failed_step}
     assert_engine_released(engine)
+
+
+def test_an_exception_while_the_scheduler_applies_the_step_fails_only_its_step(engine, oracle):
+    # Two stop checks per step (a, then b): call 2 * FAIL_AT_STEP is b's in that step, after a's
+    # token was applied. The step is half applied when it raises; fail_step settles it.
+    engine.scheduler._check_stop = FailsOnce(engine.scheduler._check_stop, 2 * FAIL_AT_STEP,
+                                             RuntimeError("stop check broke"))
+    assert_only_the_step_failed(engine, oracle, *run(engine), "stop check broke")
+    assert engine.scheduler.step_in_flight is None and engine.scheduler.running == []
