@@ -19,7 +19,7 @@ import uvicorn
 from tests.core.helpers import assert_no_leaks
 from tokenweir.config import EngineArgs
 from tokenweir.engine.async_engine import AsyncLLMEngine
-from tokenweir.server.openai_api import build_app
+from tokenweir.server.app import build_app
 
 NUM_BLOCKS = 96
 BLOCK_SIZE = 16
