@@ -36,6 +36,10 @@ _ERROR_MEANINGS = {
     500: "the engine failed this request",
     503: "the engine is not running; retry after Retry-After",
 }
+# One server-sent event (OpenAPI 3.1 has a stream's `schema` describe each event): `data` is a
+# chunk of the response as JSON, an error object, or `[DONE]`.
+_SSE_EVENT = {"type": "object", "required": ["data"],
+              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}}
 
 
@@ -47,7 +51,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 def _generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
     ok = {"model": model, "description": "the completion; with `stream: true`, server-sent events: "
                                          "`data: <chunk JSON>` lines, then `data: [DONE]`",
-          "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+          "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
     return {200: ok, **_errors(400, 401, 404, 413, 429, 500, 503)}
 
 
