@@ -7,6 +7,8 @@ import httpx
 import jsonschema_rs
 import pytest
 
+from tests.model.tiny_models import VOCAB_SIZE
+from tests.server.conftest import MAX_MODEL_LEN
 from tests.server.helpers import MESSAGES_OK, MODEL, post
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -57,6 +59,8 @@ REFUSED = [
     (COMPLETIONS, {"prompt": ""}),
     (COMPLETIONS, {"prompt": []}),
     (COMPLETIONS, {"prompt": [""]}),
+    (COMPLETIONS, {"prompt": [1, 2, VOCAB_SIZE]}),  # the schema knows the served model's vocabulary
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}),  # and its context length
     (COMPLETIONS, {"prompt": "hi", "echo": True}),
     (COMPLETIONS, {"prompt": "hi", "n": 2}),
     (COMPLETIONS, {"prompt": "hi", "stop": ["s"] * 257}),
@@ -68,6 +72,7 @@ REFUSED = [
 ]
 ACCEPTED = [
     (COMPLETIONS, {"prompt": "hi", "echo": False}),
+    (COMPLETIONS, {"prompt": [1, 2, VOCAB_SIZE - 1], "max_tokens": 2}),
     (CHAT, {"messages": MESSAGES_OK, "top_logprobs": 2, "logprobs": True, "max_tokens": 2}),
     (CHAT, {"messages": MESSAGES_OK, "top_logprobs": None, "max_tokens": 2}),
     (CHAT, {"messages": [{"role": r, "content": "hi"} for r in ("system", "user", "assistant", "tool", "user")],

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 import tokenweir
 from tokenweir.config import EngineArgs
 from tokenweir.engine.async_engine import EngineDeadError
-from tokenweir.engine.client import EngineClient
+from tokenweir.engine.client import EngineClient, ModelInfo
 from tokenweir.server.auth import APIKeyMiddleware, guarded_paths
 from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from tokenweir.server.errors import engine_error, install_error_handlers
@@ -55,9 +55,30 @@ def _generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
     return {200: ok, **_errors(400, 401, 404, 413, 429, 500, 503)}
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
+def _cap_integers(node: Any, maximum: int) -> None:
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            node["maximum"] = maximum
+        for child in node.values():
+            _cap_integers(child, maximum)
+    elif isinstance(node, list):
+        for child in node:
+            _cap_integers(child, maximum)
+
+
+def _bound_by_model(schemas: dict[str, Any], model: ModelInfo) -> None:
+    """What the schema can say about the served model: prompt token ids below its vocabulary
+    size, output lengths below max_model_len (the rest of the length rule needs the prompt's
+    token count, known only after tokenizing)."""
+    _cap_integers(schemas["CompletionRequest"]["properties"]["prompt"], model.vocab_size - 1)
+    for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
+                        ("ChatCompletionRequest", "max_completion_tokens")):
+        _cap_integers(schemas[name]["properties"][field], model.max_model_len - 1)
+
+
+def _openapi(app: FastAPI, model: ModelInfo) -> dict[str, Any]:
     """FastAPI's document without the 422 HTTPValidationError it adds to every route with a
-    body: validation errors are answered as OpenAI 400s (errors.py)."""
+    body (validation errors are answered as OpenAI 400s, errors.py), bounded by the model."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         for operations in schema["paths"].values():
@@ -66,6 +87,7 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
         components = schema.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
+        _bound_by_model(components, model)
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -84,7 +106,7 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
     app = FastAPI(title="tokenweir", version=tokenweir.__version__)
     app.state.serving = serving
     install_error_handlers(app)
-    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.openapi = lambda: _openapi(app, model)  # type: ignore[method-assign]
 
     v1 = APIRouter(prefix="/v1")
 
