@@ -62,6 +62,7 @@ REFUSED = [
     (COMPLETIONS, {"prompt": [1, 2, VOCAB_SIZE]}),  # the schema knows the served model's vocabulary
     (COMPLETIONS, {"prompt": "hi", "max_tokens": MAX_MODEL_LEN}),  # and its context length
     (COMPLETIONS, {"prompt": "hi", "echo": True}),
+    (COMPLETIONS, {"prompt": "hi", "echo": 0}),
     (COMPLETIONS, {"prompt": "hi", "n": 2}),
     (COMPLETIONS, {"prompt": "hi", "stop": ["s"] * 257}),
     (COMPLETIONS, {"prompt": "hi", "priority": 2**31}),

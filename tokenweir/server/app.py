@@ -69,10 +69,10 @@ def _cap_integers(node: Any, maximum: int) -> None:
 def _bound_by_model(schemas: dict[str, Any], model: ModelInfo) -> None:
     """What the schema can say about the served model: prompt token ids below its vocabulary
     size, output lengths below max_model_len (the rest of the length rule needs the prompt's
-    token count, known only after tokenizing)."""
+    token count, known only after tokenizing). Chat's `max_tokens` stays open: the server
+    ignores it when `max_completion_tokens` is set."""
     _cap_integers(schemas["CompletionRequest"]["properties"]["prompt"], model.vocab_size - 1)
-    for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_tokens"),
-                        ("ChatCompletionRequest", "max_completion_tokens")):
+    for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_completion_tokens")):
         _cap_integers(schemas[name]["properties"][field], model.max_model_len - 1)
 
 

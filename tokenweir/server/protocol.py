@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from tokenweir.request import (MAX_KEY_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                PRIORITY_MAX, PRIORITY_MIN)
@@ -85,12 +85,19 @@ Prompt = Union[NonEmptyText, TokenIds,
                Annotated[list[TokenIds], Field(min_length=1)]]
 
 
+def _not_supported(value: bool) -> bool:
+    if value:
+        raise ValueError("not supported")
+    return value
+
+
 class CompletionRequest(GenerationRequest):
     # One prompt per request: a string or token ids, optionally wrapped in a one-item list.
     prompt: Prompt
     max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = 16  # OpenAI's default for completions
     logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
-    echo: Literal[False] = Field(default=False, description="not supported")
+    echo: Annotated[StrictBool, AfterValidator(_not_supported),
+                    Field(json_schema_extra={"const": False}, description="not supported")] = False
 
 
 class TextPart(BaseModel):
