@@ -1,6 +1,6 @@
-"""The OpenAI-compatible HTTP app: routes, middleware and the OpenAPI document, wired around
-one `EngineClient`. /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics,
-/version, and /openapi.json describing exactly these answers.
+"""The OpenAI-compatible HTTP app: routes and middleware wired around one `EngineClient`.
+/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /version, and
+/openapi.json describing exactly these answers (openapi.py).
 """
 
 from __future__ import annotations
@@ -11,86 +11,21 @@ from typing import Any, Optional
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.openapi.utils import get_openapi
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import tokenweir
 from tokenweir.config import EngineArgs
 from tokenweir.engine.async_engine import EngineDeadError
-from tokenweir.engine.client import EngineClient, ModelInfo
+from tokenweir.engine.client import EngineClient
 from tokenweir.server.auth import APIKeyMiddleware, guarded_paths
 from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from tokenweir.server.errors import engine_error, install_error_handlers
-from tokenweir.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
-                                       CompletionResponse, ErrorResponse, HealthResponse, ModelList,
+from tokenweir.server.openapi import (CHAT_RESPONSES, COMPLETION_RESPONSES, METRICS_RESPONSES, build_openapi,
+                                      error_responses)
+from tokenweir.server.protocol import (ChatCompletionRequest, CompletionRequest, HealthResponse, ModelList,
                                        VersionResponse)
 from tokenweir.server.serving import OpenAIServing
-
-_ERROR_MEANINGS = {
-    400: "invalid request (`param` names the field)",
-    401: "missing or wrong API key (with --api-key)",
-    404: "unknown model",
-    413: "request body larger than --max-request-body-bytes",
-    429: "too many requests waiting (--max-waiting-requests); retry after Retry-After",
-    500: "the engine failed this request",
-    503: "the engine is not running; retry after Retry-After",
-}
-# One server-sent event (OpenAPI 3.1 has a stream's `schema` describe each event): `data` is a
-# chunk of the response as JSON, an error object, or `[DONE]`.
-_SSE_EVENT = {"type": "object", "required": ["data"],
-              "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
-_RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}}
-
-
-def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
-    return {s: {"model": ErrorResponse, "description": _ERROR_MEANINGS[s],
-                **({"headers": _RETRY_AFTER} if s in (429, 503) else {})} for s in statuses}
-
-
-def _generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
-    ok = {"model": model, "description": "the completion; with `stream: true`, server-sent events: "
-                                         "`data: <chunk JSON>` lines, then `data: [DONE]`",
-          "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
-    return {200: ok, **_errors(400, 401, 404, 413, 429, 500, 503)}
-
-
-def _cap_integers(node: Any, maximum: int) -> None:
-    if isinstance(node, dict):
-        if node.get("type") == "integer":
-            node["maximum"] = maximum
-        for child in node.values():
-            _cap_integers(child, maximum)
-    elif isinstance(node, list):
-        for child in node:
-            _cap_integers(child, maximum)
-
-
-def _bound_by_model(schemas: dict[str, Any], model: ModelInfo) -> None:
-    """What the schema can say about the served model: prompt token ids below its vocabulary
-    size, output lengths below max_model_len (the rest of the length rule needs the prompt's
-    token count, known only after tokenizing). Chat's `max_tokens` stays open: the server
-    ignores it when `max_completion_tokens` is set."""
-    _cap_integers(schemas["CompletionRequest"]["properties"]["prompt"], model.vocab_size - 1)
-    for name, field in (("CompletionRequest", "max_tokens"), ("ChatCompletionRequest", "max_completion_tokens")):
-        _cap_integers(schemas[name]["properties"][field], model.max_model_len - 1)
-
-
-def _openapi(app: FastAPI, model: ModelInfo) -> dict[str, Any]:
-    """FastAPI's document without the 422 HTTPValidationError it adds to every route with a
-    body (validation errors are answered as OpenAI 400s, errors.py), bounded by the model."""
-    if app.openapi_schema is None:
-        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-        for operations in schema["paths"].values():
-            for operation in operations.values():
-                operation["responses"].pop("422", None)
-        components = schema.get("components", {}).get("schemas", {})
-        for name in ("HTTPValidationError", "ValidationError"):
-            components.pop(name, None)
-        _bound_by_model(components, model)
-        app.openapi_schema = schema
-    return app.openapi_schema
-
 
 def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waiting_requests: Optional[int] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -106,19 +41,19 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
     app = FastAPI(title="tokenweir", version=tokenweir.__version__)
     app.state.serving = serving
     install_error_handlers(app)
-    app.openapi = lambda: _openapi(app, model)  # type: ignore[method-assign]
+    app.openapi = lambda: build_openapi(app, model)  # type: ignore[method-assign]
 
     v1 = APIRouter(prefix="/v1")
 
-    @v1.post("/completions", response_model=None, responses=_generation_responses(CompletionResponse))
+    @v1.post("/completions", response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.completions(body, raw)
 
-    @v1.post("/chat/completions", response_model=None, responses=_generation_responses(ChatCompletionResponse))
+    @v1.post("/chat/completions", response_model=None, responses=CHAT_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat_completions(body, raw)
 
-    @v1.get("/models", response_model=ModelList, responses=_errors(401))
+    @v1.get("/models", response_model=ModelList, responses=error_responses(401))
     async def models() -> dict[str, Any]:
         # Name and limits only: never where the weights lie on this machine.
         card = {"id": model.name, "object": "model", "created": created, "owned_by": "tokenweir",
@@ -127,7 +62,7 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
 
     app.include_router(v1)
 
-    @app.get("/health", response_model=HealthResponse, responses=_errors(503))
+    @app.get("/health", response_model=HealthResponse, responses=error_responses(503))
     async def health() -> Any:
         if not client.is_running:
             return engine_error(EngineDeadError(f"the engine is not running: {client.dead_error}")).response()
@@ -137,10 +72,7 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
     async def version() -> dict[str, str]:
         return {"version": tokenweir.__version__}
 
-    metrics_doc = {200: {"description": "Prometheus text exposition format",
-                         "content": {"text/plain": {"schema": {"type": "string"}}}}, **_errors(401)}
-
-    @app.get("/metrics", response_class=Response, responses=metrics_doc)
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         # A plain route: mounting prometheus' ASGI app at /metrics answers with a redirect.
         return Response(generate_latest(client.metrics_registry), media_type=CONTENT_TYPE_LATEST)
