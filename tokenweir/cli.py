@@ -22,15 +22,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineArgs field, with the field's type, default and help, so the flags
     cannot drift from the dataclass. Switches take vLLM's form: --enable-x / --no-enable-x."""
     hints = typing.get_type_hints(EngineArgs)
+    defaults = EngineArgs()  # also right for fields with a default_factory
     group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(hints[f.name])
-        help_text = f.metadata.get("help", "")
+        default, help_text = getattr(defaults, f.name), f.metadata.get("help", "")
         if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=f.default, help=help_text)
+            group.add_argument(flag, type=kind, default=default, help=help_text)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:

@@ -54,12 +54,13 @@ def test_every_engine_field_is_a_flag_with_its_help(command):
 
     sub = build_parser()._subparsers._group_actions[0].choices[command]
     actions = {option: action for action in sub._actions for option in action.option_strings}
+    defaults = EngineArgs()
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         assert flag in actions, flag
         assert f.metadata.get("help") and actions[flag].help == f.metadata["help"], flag
-        assert actions[flag].default == f.default
-        if isinstance(f.default, bool):  # vLLM's switches: --enable-x / --no-enable-x
+        assert actions[flag].default == getattr(defaults, f.name)
+        if isinstance(getattr(defaults, f.name), bool):  # vLLM's switches: --enable-x / --no-enable-x
             assert "--no-" + flag[2:] in actions[flag].option_strings
     assert "--max-model-len" in sub.format_help() and "--no-enable-prefix-caching" in sub.format_help()
 
