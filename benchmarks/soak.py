@@ -31,7 +31,7 @@ import uvicorn
 
 from tokenweir.config import EngineArgs
 from tokenweir.engine.async_engine import AsyncLLMEngine
-from tokenweir.server.openai_api import build_app
+from tokenweir.server.app import build_app
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 WORDS = "the quick brown fox jumps over a lazy dog while seven tired owls watch quietly".split()

@@ -6,49 +6,32 @@ import argparse
 import dataclasses
 import logging
 import sys
+import typing
 from typing import Any, Optional, Sequence
 
 from tokenweir.config import EngineArgs
 
-_HELP = {
-    "model": "HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)",
-    "served_model_name": "model name in the API (default: the folder or file name)",
-    "dtype": "auto | float32 | bfloat16 | float16 (auto: bf16 where the CPU runs it fast)",
-    "device": "auto | cpu | cuda",
-    "max_model_len": "context length per request (default: the model's, capped to the KV pool)",
-    "max_num_batched_tokens": "token budget of one step (default 2048)",
-    "max_num_seqs": "maximum number of running requests",
-    "block_size": "tokens per KV block",
-    "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
-    "enable_chunked_prefill": "split long prompts across steps",
-    "long_prefill_token_threshold": "cap on one prefill chunk's tokens per step (0 = off)",
-    "scheduling_policy": "fcfs | priority",
-    "preemption_mode": "recompute",
-    "watermark": "fraction of KV blocks kept free when admitting new requests",
-    "swap_space": "GiB of host memory for swap preemption",
-    "num_gpu_blocks_override": "number of KV blocks (instead of --kv-cache-memory)",
-    "kv_cache_memory": "KV cache size, e.g. 2GiB (CPU default 2GiB)",
-    "gpu_memory_utilization": "CUDA: fraction of the GPU's memory the engine may use (weights, activations, KV)",
-    "disable_log_stats": "do not log periodic engine stats",
-}
+def _flag_type(annotation: Any) -> Any:
+    """The argparse type of an EngineArgs field: its annotation without None; where a field also
+    takes a string (kv_cache_memory: "2GiB"), the string, which the field parses itself."""
+    kinds = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    return str if str in kinds else kinds[0]
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field, derived from the dataclass so the two cannot drift."""
-    defaults = EngineArgs()
+    """One flag per EngineArgs field, with the field's type, default and help, so the flags
+    cannot drift from the dataclass. Switches take vLLM's form: --enable-x / --no-enable-x."""
+    hints = typing.get_type_hints(EngineArgs)
+    defaults = EngineArgs()  # also right for fields with a default_factory
+    group = parser.add_argument_group("engine")
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
-        default = getattr(defaults, f.name)
-        help_text = _HELP.get(f.name, "")
-        if isinstance(default, bool):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        elif f.name in ("kv_cache_memory", "model", "served_model_name", "dtype", "device",
-                        "scheduling_policy", "preemption_mode"):
-            parser.add_argument(flag, type=str, default=default, help=help_text)
-        elif isinstance(default, float):
-            parser.add_argument(flag, type=float, default=default, help=help_text)
+        kind = _flag_type(hints[f.name])
+        default, help_text = getattr(defaults, f.name), f.metadata.get("help", "")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:
-            parser.add_argument(flag, type=int, default=default, help=help_text)
+            group.add_argument(flag, type=kind, default=default, help=help_text)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -73,7 +56,7 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
-    from tokenweir.server.openai_api import run_server
+    from tokenweir.server.app import run_server
 
     run_server(engine_args_from(ns), ns)
     return 0

@@ -7,7 +7,7 @@ model (max_model_len) and checks that the knobs agree with each other. No torch 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
 from tokenweir.checks import is_finite_number, is_integer
@@ -122,26 +122,38 @@ class CacheConfig:
 class EngineArgs:
     """All engine knobs, named as in vLLM (`--max-num-batched-tokens` on the CLI)."""
 
-    model: Optional[str] = None
-    served_model_name: Optional[str] = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    max_model_len: Optional[int] = None
-    max_num_batched_tokens: Optional[int] = None
-    max_num_seqs: Optional[int] = None  # None: 256, or the token budget if that is smaller
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0
-    scheduling_policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    watermark: float = 0.0
-    swap_space: float = 0.0
-    num_gpu_blocks_override: Optional[int] = None
-    kv_cache_memory: Union[None, int, str] = None
-    gpu_memory_utilization: float = 0.9
-    disable_log_stats: bool = False
+    model: Optional[str] = field(default=None, metadata={
+        "help": "HF folder or GGUF file (default: the embedded SmolLM2-135M-Instruct)"})
+    served_model_name: Optional[str] = field(default=None, metadata={
+        "help": "model name in the API (default: the folder or file name)"})
+    dtype: str = field(default="auto", metadata={
+        "help": "auto | float32 | bfloat16 | float16 (auto: bf16 where the CPU runs it fast)"})
+    device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    seed: int = field(default=0, metadata={"help": "seed of the model's random state"})
+    max_model_len: Optional[int] = field(default=None, metadata={
+        "help": "context length per request (default: the model's, capped to the KV pool)"})
+    max_num_batched_tokens: Optional[int] = field(default=None, metadata={
+        "help": "token budget of one step (default 2048)"})
+    max_num_seqs: Optional[int] = field(default=None, metadata={
+        "help": "maximum number of running requests (default 256, or the token budget if smaller)"})
+    block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse KV blocks of shared prompt prefixes"})
+    enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
+    long_prefill_token_threshold: int = field(default=0, metadata={
+        "help": "cap on one prefill chunk's tokens per step (0 = off)"})
+    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs | priority"})
+    preemption_mode: str = field(default="recompute", metadata={"help": "recompute"})
+    watermark: float = field(default=0.0, metadata={
+        "help": "fraction of KV blocks kept free when admitting new requests"})
+    swap_space: float = field(default=0.0, metadata={"help": "GiB of host memory for swap preemption"})
+    num_gpu_blocks_override: Optional[int] = field(default=None, metadata={
+        "help": "number of KV blocks (instead of --kv-cache-memory)"})
+    kv_cache_memory: Union[None, int, str] = field(default=None, metadata={
+        "help": "KV cache size, e.g. 2GiB (CPU default 2GiB)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "help": "CUDA: fraction of the GPU's memory the engine may use (weights, activations, KV)"})
+    disable_log_stats: bool = field(default=False, metadata={"help": "do not log periodic engine stats"})
 
     def __post_init__(self) -> None:
         # The scheduler core takes any block size; the model's KV cache stores keys and values

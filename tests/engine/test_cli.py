@@ -44,3 +44,32 @@ def test_a_bad_setting_is_a_one_line_error_not_a_traceback(flags, message):
     assert "Traceback" not in result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("tokenweir: error: ") and message in last
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_engine_field_is_a_flag_with_its_help(command):
+    import dataclasses
+
+    from tokenweir.config import EngineArgs
+
+    sub = build_parser()._subparsers._group_actions[0].choices[command]
+    actions = {option: action for action in sub._actions for option in action.option_strings}
+    defaults = EngineArgs()
+    for f in dataclasses.fields(EngineArgs):
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in actions, flag
+        assert f.metadata.get("help") and actions[flag].help == f.metadata["help"], flag
+        assert actions[flag].default == getattr(defaults, f.name)
+        if isinstance(getattr(defaults, f.name), bool):  # vLLM's switches: --enable-x / --no-enable-x
+            assert "--no-" + flag[2:] in actions[flag].option_strings
+    assert "--max-model-len" in sub.format_help() and "--no-enable-prefix-caching" in sub.format_help()
+
+
+def test_flag_types_follow_the_field_annotations():
+    ns = build_parser().parse_args(["generate", "hi", "--max-model-len", "64", "--watermark", "0.25",
+                                    "--kv-cache-memory", "2GiB", "--dtype", "float32", "--no-enable-chunked-prefill"])
+    args = engine_args_from(ns)
+    assert args.max_model_len == 64 and args.watermark == 0.25 and args.kv_cache_memory == "2GiB"
+    assert args.dtype == "float32" and args.enable_chunked_prefill is False
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--max-num-seqs", "many"])

@@ -19,7 +19,7 @@ import uvicorn
 from tests.engine.helpers import assert_async_engine_released
 from tokenweir.config import EngineArgs
 from tokenweir.engine.async_engine import AsyncLLMEngine
-from tokenweir.server.openai_api import build_app
+from tokenweir.server.app import build_app
 
 NUM_BLOCKS = 96
 BLOCK_SIZE = 16

@@ -12,6 +12,7 @@ import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "tiny-llama"
+MESSAGES_OK = [{"role": "user", "content": "hello"}]
 
 
 def client(url: str, api_key: str = "unused") -> openai.OpenAI:

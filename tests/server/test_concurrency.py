@@ -72,6 +72,37 @@ def test_429_past_the_waiting_limit(make_server, engine, gate):
     assert post(url, "/v1/completions", body).status_code == 200
 
 
+def test_a_burst_gets_exactly_the_waiting_limit_and_429s_for_the_rest(make_server, engine, gate):
+    """64 requests at once, limit 4, the engine held before its first step: nothing is admitted
+    to run, so exactly 4 may wait and exactly 60 must be refused, however their parsing and
+    tokenizing interleave. The 4 then complete."""
+    limit, burst = 4, 64
+    url = make_server(max_waiting_requests=limit)
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 3, "ignore_eos": True}
+
+    async def run():
+        limits = httpx.Limits(max_connections=burst, max_keepalive_connections=burst)
+        async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as ac:
+            pending = {asyncio.create_task(ac.post("/v1/completions", json=body)) for _ in range(burst)}
+            done: set[asyncio.Task] = set()
+            while len(done) < burst - limit:
+                finished, pending = await asyncio.wait(pending, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+                assert finished, f"only {len(done)} of {burst} requests answered while the engine was held"
+                done |= finished
+            refused = [t.result() for t in done]
+            assert len(done) == burst - limit
+            assert engine.num_waiting_requests() == limit
+            gate.set()
+            accepted = await asyncio.gather(*pending)
+        return refused, accepted
+
+    refused, accepted = asyncio.run(run())
+    assert [r.status_code for r in refused] == [429] * (burst - limit)
+    assert all(int(r.headers["Retry-After"]) >= 1 and r.json()["error"]["code"] == "rate_limit_exceeded"
+               for r in refused)
+    assert [(r.status_code, r.json()["usage"]["completion_tokens"]) for r in accepted] == [(200, 3)] * limit
+
+
 def test_requests_in_the_running_step_do_not_count_as_waiting(make_server, engine, model_gate):
     entered, release = model_gate
     url = make_server(max_waiting_requests=3)

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
 
 from tests.server.conftest import MAX_MODEL_LEN
 from tests.server.helpers import MODEL, client, post
+from tokenweir.server.errors import APIError
+from tokenweir.server.protocol import CompletionRequest
+from tokenweir.server.translate import RequestTranslator
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 MESSAGES = [{"role": "user", "content": "hello"}]
@@ -38,9 +43,28 @@ CASES = [
     ("n-two", COMPLETIONS, {"prompt": "hi", "n": 2}, 400, "n"),
     ("echo", COMPLETIONS, {"prompt": "hi", "echo": True}, 400, "echo"),
     ("deadline-negative", COMPLETIONS, {"prompt": "hi", "deadline_ms": -1}, 400, "deadline_ms"),
+    # Python's JSON parser reads Infinity and NaN; deadlines and SLOs must be finite.
+    ("deadline-infinite", COMPLETIONS, {"prompt": "hi", "deadline_ms": float("inf")}, 400, "deadline_ms"),
+    ("ttft-slo-nan", COMPLETIONS, {"prompt": "hi", "ttft_slo_ms": float("nan")}, 400, "ttft_slo_ms"),
+    ("tpot-slo-zero", CHAT, {"messages": MESSAGES, "tpot_slo_ms": 0}, 400, "tpot_slo_ms"),
+    # Positive in milliseconds, 0.0 in seconds (where the C kernels flush subnormals in the
+    # server's threads, already 0 in the schema's check): named as the body spells it.
+    ("deadline-underflows", COMPLETIONS, {"prompt": "hi", "deadline_ms": 5e-324}, 400, "deadline_ms"),
+    ("priority-above-int32", COMPLETIONS, {"prompt": "hi", "priority": 2**31}, 400, "priority"),
+    ("priority-below-int32", CHAT, {"messages": MESSAGES, "priority": -(2**31) - 1}, 400, "priority"),
+    ("cache-salt-empty", COMPLETIONS, {"prompt": "hi", "cache_salt": ""}, 400, "cache_salt"),
+    ("tenant-too-long", COMPLETIONS, {"prompt": "hi", "tenant": "t" * 257}, 400, "tenant"),
+    # Stop conditions are checked after every token: bounded in number and length.
+    ("too-many-stop-strings", COMPLETIONS, {"prompt": "hi", "stop": [f"s{i}" for i in range(257)]}, 400, "stop"),
+    ("stop-string-too-long", CHAT, {"messages": MESSAGES, "stop": "x" * 1025}, 400, "stop"),
+    ("too-many-stop-ids", COMPLETIONS, {"prompt": "hi", "stop_token_ids": list(range(1025))}, 400,
+     "stop_token_ids"),
     ("chat-missing-messages", CHAT, {"max_tokens": 3}, 400, "messages"),
     ("chat-empty-messages", CHAT, {"messages": []}, 400, "messages"),
-    ("chat-bad-message", CHAT, {"messages": [{"content": "no role"}]}, 400, "messages"),
+    ("chat-bad-message", CHAT, {"messages": [{"content": "no role"}]}, 400, "messages.0.role"),
+    # Only the roles the chat template knows; another would be rendered raw into the prompt.
+    ("chat-unknown-role", CHAT, {"messages": [*MESSAGES, {"role": "wizard", "content": "hi"}]}, 400,
+     "messages.1.role"),
     ("chat-unknown-model", CHAT, {"messages": MESSAGES, "model": "gpt-17"}, 404, "model"),
     ("chat-max-completion-tokens-zero", CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, 400,
      "max_completion_tokens"),
@@ -144,9 +168,35 @@ def test_api_key(make_server):
         assert response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/v1/models").status_code == 401
     assert post(url, COMPLETIONS, body, headers={"Authorization": "Bearer sekret"}).status_code == 200
-    # Only /v1/* is guarded: probes and scrapers need no key.
+    # Probes need no key; /metrics does (its prefix-cache counters tell about other users).
     assert httpx.get(f"{url}/health").status_code == 200
-    assert httpx.get(f"{url}/metrics").status_code == 200
+    assert httpx.get(f"{url}/metrics").status_code == 401
+    assert httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sekret"}).status_code == 200
     with pytest.raises(openai.AuthenticationError):
         client(url, api_key="wrong").models.list()
     assert [m.id for m in client(url, api_key="sekret").models.list().data] == [MODEL]
+
+
+def test_metrics_can_be_left_open_for_scrapers(make_server):
+    url = make_server(api_key="sekret", metrics_require_api_key=False)
+    assert httpx.get(f"{url}/metrics").status_code == 200
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+
+
+def test_models_do_not_disclose_local_paths(server, tiny_model_dir):
+    text = httpx.get(f"{server}/v1/models").text
+    assert MODEL in text
+    assert tiny_model_dir("llama") not in text and "/" not in text
+
+
+@pytest.mark.parametrize("hint,value,param", [("deadline_ms", -1.0, "deadline_ms"), ("ttft_slo_ms", 0.0, "ttft_slo_ms"),
+                                              ("tpot_slo_ms", -2.0, "tpot_slo_ms"), ("priority", 2**40, "priority")])
+def test_scheduling_hint_errors_name_the_body_field(engine, hint, value, param):
+    """SchedulingHints names its own fields (deadline, ttft_slo, ...); the server answers with
+    the body's names. The body skips the schema's checks here, so SchedulingHints' own run."""
+    translator = RequestTranslator(engine.model_info, engine.tokenizer)
+    body = CompletionRequest.model_construct(prompt="hello world", **{hint: value})
+    with pytest.raises(APIError) as refused:
+        asyncio.run(translator.completion(body))
+    assert refused.value.status == 400 and refused.value.info.param == param
+    assert param in str(refused.value)

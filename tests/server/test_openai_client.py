@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -12,7 +13,7 @@ import pytest
 
 import tokenweir
 from tests.server.conftest import wait_until
-from tests.server.helpers import MODEL, async_client, client
+from tests.server.helpers import MODEL, async_client, client, scrape, value
 
 PROMPT = "the capital of france is"
 MESSAGES = [{"role": "user", "content": "what is the capital of france ?"}]
@@ -173,3 +174,22 @@ def test_request_fields_reach_the_engine(server, engine, monkeypatch):
     p = request.sampling_params
     assert (p.max_tokens, p.top_p, p.top_k, p.min_p, p.min_tokens, p.seed, p.stop_token_ids, p.ignore_eos) == (
         3, 0.9, 5, 0.05, 2, 5, [7], True)
+
+
+def test_cache_salt_isolates_prefix_caches(server):
+    """vLLM's `cache_salt`: requests share cached prefix blocks only when their salts match."""
+    c = client(server)
+    prompt = " ".join(["the capital of france is paris"] * 8)  # several full KV blocks
+    tag = uuid.uuid4().hex
+
+    def served(salt):
+        before = scrape(server)
+        c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body={"cache_salt": salt})
+        queried = value(before, "tokenweir:prefix_cache_queries_total")
+        wait_until(lambda: value(scrape(server), "tokenweir:prefix_cache_queries_total") > queried,
+                   "the prefix-cache lookup to be counted")
+        return value(scrape(server), "tokenweir:prefix_cache_hits_total") - value(before, "tokenweir:prefix_cache_hits_total")
+
+    assert served(f"alice-{tag}") == 0
+    assert served(f"alice-{tag}") >= 32  # the same salt: its blocks are found
+    assert served(f"bob-{tag}") == 0  # another salt: none of alice's blocks

@@ -63,6 +63,12 @@ def test_serve_default_model_answers_a_chat_completion(tmp_path):
         chunks = list(client.completions.create(model=model, prompt="Name a colour:", max_tokens=5,
                                                 temperature=0.5, seed=1, logprobs=2, stream=True))
         assert all(c.choices[0].logprobs is not None for c in chunks if c.choices)
+        # Work before rejection is bounded: a prompt that cannot fit is refused on its length
+        # in characters, before tokenizing; a body over the default limit before parsing.
+        refused = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * 2_000_000}, timeout=60)
+        assert refused.status_code == 400 and "at least" in refused.json()["error"]["message"]
+        too_big = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * 5_000_000}, timeout=60)
+        assert too_big.status_code == 413
     finally:
         proc.terminate()
         try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
@@ -15,9 +17,15 @@ def _positive_int(text: str) -> int:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    parser.add_argument("--api-key", default=None,
+                        help="require 'Authorization: Bearer KEY' on /v1/* (and /metrics, see below)")
+    parser.add_argument("--metrics-require-api-key", action=argparse.BooleanOptionalAction, default=True,
+                        help="with --api-key, /metrics needs the key too (default on: its prefix-cache "
+                             "counters tell whether another user's prefix is cached; vLLM leaves it open)")
     parser.add_argument("--max-waiting-requests", type=_positive_int, default=None,
                         help="answer 429 with Retry-After once this many requests wait")
+    parser.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                        help="answer 413 to a larger request body, before parsing it (default %(default)s)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",

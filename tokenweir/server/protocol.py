@@ -1,19 +1,31 @@
-"""OpenAI request bodies (pydantic) and their translation into SamplingParams.
+"""OpenAI request and response bodies (pydantic): the API contract the OpenAPI document shows.
 
-Only types are checked here; value ranges are SamplingParams' job (its ValueErrors name the
-field), so one set of rules serves the offline API and the server. Unknown fields are ignored,
-as OpenAI-compatible servers do, so clients that send extras (`user`, ...) keep working.
+Request fields carry the ranges the engine enforces (the limits are imported from
+`tokenweir.request`, where SamplingParams and SchedulingHints check them), so the schema admits
+only what the server accepts, as far as JSON Schema can say it; what depends on the model or on
+the tokenized prompt (lengths, token ids) is checked after tokenizing, and answered with a 400.
+Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send extras
+(`user`, ...) keep working.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from tokenweir.request import SamplingParams, SchedulingHints
+from tokenweir.request import (MAX_KEY_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                               PRIORITY_MAX, PRIORITY_MIN)
 
-Number = Union[StrictInt, StrictFloat]
+# JSON has no infinity, but Python's parser reads `Infinity` and `NaN`: refuse them here.
+Number = Union[StrictInt, Annotated[StrictFloat, AllowInfNan(False)]]
+MAX_LOGPROBS = 20  # as SamplingParams and OpenAI
+Key = Annotated[StrictStr, Field(min_length=1, max_length=MAX_KEY_CHARS)]
+StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
+Milliseconds = Optional[Annotated[Number, Field(gt=0)]]
+NonEmptyText = Annotated[StrictStr, Field(min_length=1)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 
 
 class ErrorInfo(BaseModel):
@@ -37,62 +49,55 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[StrictStr] = None
-    n: StrictInt = 1
+    n: Annotated[StrictInt, Field(ge=1, le=1, description="parallel sampling is not supported")] = 1
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    temperature: Optional[Number] = None
-    top_p: Optional[Number] = None
-    top_k: Optional[StrictInt] = None
-    min_p: Optional[Number] = None
-    seed: Optional[StrictInt] = None
-    stop: Union[None, StrictStr, list[StrictStr]] = None
-    stop_token_ids: Optional[list[StrictInt]] = None
+    temperature: Optional[Annotated[Number, Field(ge=0)]] = None
+    top_p: Optional[Annotated[Number, Field(gt=0, le=1)]] = None
+    top_k: Optional[Annotated[StrictInt, Field(ge=-1, lt=2**63)]] = None
+    min_p: Optional[Annotated[Number, Field(ge=0, le=1)]] = None
+    seed: Optional[Annotated[StrictInt, Field(ge=-(2**63), lt=2**64)]] = None
+    stop: Union[None, StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]] = None
+    stop_token_ids: Optional[Annotated[list[Annotated[StrictInt, Field(ge=0, lt=2**63)]],
+                                       Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
     ignore_eos: StrictBool = False
-    min_tokens: StrictInt = 0
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     include_stop_str_in_output: StrictBool = False
     skip_special_tokens: StrictBool = True
-    # Scheduling extras (DESIGN.md "Public API"): carried onto the engine's Request.
-    priority: StrictInt = 0
-    tenant: Optional[StrictStr] = None
-    deadline_ms: Optional[Number] = Field(default=None, gt=0)
-    ttft_slo_ms: Optional[Number] = Field(default=None, gt=0)
-    tpot_slo_ms: Optional[Number] = Field(default=None, gt=0)
-    # vLLM's field: requests with different salts never share prefix-cache blocks.
-    cache_salt: Optional[StrictStr] = None
-
-    def sampling_params(self, max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
-        """Raises ValueError (from SamplingParams' checks) for values out of range."""
-        return SamplingParams(
-            max_tokens=max_tokens, min_tokens=self.min_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
-            stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            seed=self.seed, logprobs=logprobs,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            skip_special_tokens=self.skip_special_tokens, n=self.n)
-
-    def scheduling_hints(self, arrival_time: float) -> SchedulingHints:
-        """The request's scheduling hints (times in seconds). Raises ValueError out of range."""
-        def seconds(ms: Optional[float]) -> Optional[float]:
-            return None if ms is None else ms / 1000.0
-
-        return SchedulingHints(priority=self.priority, tenant=self.tenant, arrival_time=arrival_time,
-                               deadline=seconds(self.deadline_ms), ttft_slo=seconds(self.ttft_slo_ms),
-                               tpot_slo=seconds(self.tpot_slo_ms), cache_salt=self.cache_salt)
+    # Scheduling extras (DESIGN.md "Public API"), carried onto the engine's Request as
+    # SchedulingHints. Smaller priority values are served first (vLLM's sense).
+    priority: Annotated[StrictInt, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    tenant: Optional[Key] = None
+    deadline_ms: Milliseconds = None
+    ttft_slo_ms: Milliseconds = None
+    tpot_slo_ms: Milliseconds = None
+    cache_salt: Optional[Key] = Field(
+        default=None, description="requests with different salts never share prefix-cache blocks: "
+                                  "give each tenant its own salt to isolate their caches")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+Prompt = Union[NonEmptyText, TokenIds,
+               Annotated[list[NonEmptyText], Field(min_length=1)],
+               Annotated[list[TokenIds], Field(min_length=1)]]
+
+
+def _not_supported(value: bool) -> bool:
+    if value:
+        raise ValueError("not supported")
+    return value
+
+
 class CompletionRequest(GenerationRequest):
     # One prompt per request: a string or token ids, optionally wrapped in a one-item list.
-    prompt: Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]]
-    max_tokens: Optional[StrictInt] = 16  # OpenAI's default for completions
-    logprobs: Optional[StrictInt] = None
-    echo: StrictBool = False
+    prompt: Prompt
+    max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = 16  # OpenAI's default for completions
+    logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    echo: Annotated[StrictBool, AfterValidator(_not_supported),
+                    Field(json_schema_extra={"const": False}, description="not supported")] = False
 
 
 class TextPart(BaseModel):
@@ -100,10 +105,15 @@ class TextPart(BaseModel):
     text: StrictStr
 
 
+# The roles SmolLM2's ChatML template (and OpenAI) know; any other string would be rendered raw
+# into the template, where the model has never seen it.
+Role = Literal["system", "user", "assistant", "tool"]
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template
 
-    role: StrictStr
+    role: Role
     content: Union[None, StrictStr, list[TextPart]] = None
 
     def for_template(self) -> dict[str, Any]:
@@ -115,9 +125,112 @@ class ChatMessage(BaseModel):
         return message
 
 
+# `top_logprobs` needs `logprobs: true`: a rule across two fields, which the server checks
+# (translate.py) and the schema states as "top_logprobs is null/absent, or logprobs is true".
+_TOP_LOGPROBS_NEED_LOGPROBS = {"anyOf": [
+    {"properties": {"top_logprobs": {"type": "null"}}},
+    {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+]}
+
+
 class ChatCompletionRequest(GenerationRequest):
+    model_config = ConfigDict(extra="ignore", json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[StrictInt] = None
-    max_completion_tokens: Optional[StrictInt] = None
+    max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
+    max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     logprobs: StrictBool = False
-    top_logprobs: Optional[StrictInt] = None
+    top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+
+
+# ---------------------------------------------------------------- responses (as documented)
+
+FinishReason = Optional[Literal["stop", "length", "abort"]]
+StopReason = Union[None, int, str]  # the stop token id or stop string that ended the request
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs]
+    finish_reason: FinishReason
+    stop_reason: StopReason
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: Optional[ChatLogprobs]
+    finish_reason: FinishReason
+    stop_reason: StopReason
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]
+
+
+class VersionResponse(BaseModel):
+    version: str

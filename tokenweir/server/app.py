@@ -1,0 +1,99 @@
+"""The OpenAI-compatible HTTP app: routes and middleware wired around one `EngineClient`.
+/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /version, and
+/openapi.json describing exactly these answers (openapi.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Optional
+
+import uvicorn
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+import tokenweir
+from tokenweir.config import EngineArgs
+from tokenweir.engine.async_engine import EngineDeadError
+from tokenweir.engine.client import EngineClient
+from tokenweir.server.auth import APIKeyMiddleware, guarded_paths
+from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
+from tokenweir.server.errors import engine_error, install_error_handlers
+from tokenweir.server.openapi import (CHAT_RESPONSES, COMPLETION_RESPONSES, METRICS_RESPONSES, build_openapi,
+                                      error_responses)
+from tokenweir.server.protocol import (ChatCompletionRequest, CompletionRequest, HealthResponse, ModelList,
+                                       VersionResponse)
+from tokenweir.server.serving import OpenAIServing
+
+def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waiting_requests: Optional[int] = None,
+              max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+              metrics_require_api_key: bool = True) -> FastAPI:
+    """The FastAPI app around a running engine. The app does not own the engine: whoever made
+    it shuts it down. With `api_key`, /v1/* (and /metrics unless `metrics_require_api_key` is
+    off) need `Authorization: Bearer KEY`."""
+    if max_request_body_bytes < 1:
+        raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
+    serving = OpenAIServing(client, max_waiting_requests)
+    model = client.model_info
+    created = int(time.time())
+    app = FastAPI(title="tokenweir", version=tokenweir.__version__)
+    app.state.serving = serving
+    install_error_handlers(app)
+    app.openapi = lambda: build_openapi(app, model)  # type: ignore[method-assign]
+
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.post("/completions", response_model=None, responses=COMPLETION_RESPONSES)
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await serving.completions(body, raw)
+
+    @v1.post("/chat/completions", response_model=None, responses=CHAT_RESPONSES)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await serving.chat_completions(body, raw)
+
+    @v1.get("/models", response_model=ModelList, responses=error_responses(401))
+    async def models() -> dict[str, Any]:
+        # Name and limits only: never where the weights lie on this machine.
+        card = {"id": model.name, "object": "model", "created": created, "owned_by": "tokenweir",
+                "max_model_len": model.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    app.include_router(v1)
+
+    @app.get("/health", response_model=HealthResponse, responses=error_responses(503))
+    async def health() -> Any:
+        if not client.is_running:
+            return engine_error(EngineDeadError(f"the engine is not running: {client.dead_error}")).response()
+        return {"status": "ok"}
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> dict[str, str]:
+        return {"version": tokenweir.__version__}
+
+    @app.get("/metrics", response_class=Response, responses=METRICS_RESPONSES)
+    async def metrics() -> Response:
+        # A plain route: mounting prometheus' ASGI app at /metrics answers with a redirect.
+        return Response(generate_latest(client.metrics_registry), media_type=CONTENT_TYPE_LATEST)
+
+    # The last added runs first: the key is checked before a byte of the body is read.
+    app.add_middleware(BodySizeLimitMiddleware, limit=max_request_body_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, guarded=guarded_paths(metrics_require_api_key))
+    return app
+
+
+def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
+    """`tokenweir serve`: load the model, then serve until interrupted."""
+    from tokenweir.engine.async_engine import AsyncLLMEngine
+
+    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    try:
+        app = build_app(engine, api_key=ns.api_key, max_waiting_requests=ns.max_waiting_requests,
+                        max_request_body_bytes=ns.max_request_body_bytes,
+                        metrics_require_api_key=ns.metrics_require_api_key)
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+                    access_log=not ns.disable_uvicorn_access_log)
+    finally:
+        engine.shutdown()
