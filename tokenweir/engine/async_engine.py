@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 
 from tokenweir.core.scheduler import SchedulerOutput, SchedulerStats
 from tokenweir.engine.client import ModelInfo
+from tokenweir.engine import serving_threads
 from tokenweir.engine.core import EngineCore
 from tokenweir.engine.output import RequestOutput
 from tokenweir.metrics import EngineMetrics, StatsLogger
@@ -342,6 +343,7 @@ class AsyncLLMEngine:
             if shutdown:
                 return
             if self.core.has_unfinished_requests():
+                serving_threads.before_step(len(self.core.states))
                 self._step()
                 self._publish_stats()
 
