@@ -56,8 +56,10 @@ def _generate(ns: argparse.Namespace) -> int:
 
 
 def _serve(ns: argparse.Namespace) -> int:
+    from tokenweir.engine.serving_threads import reserve_core_for_serving
     from tokenweir.server.app import run_server
 
+    reserve_core_for_serving()
     run_server(engine_args_from(ns), ns)
     return 0
 

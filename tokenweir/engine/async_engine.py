@@ -23,10 +23,11 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Union
 
-from tokenweir.config import EngineArgs
 from prometheus_client import CollectorRegistry
 
+from tokenweir.config import EngineArgs
 from tokenweir.core.scheduler import SchedulerStats
+from tokenweir.engine import serving_threads
 from tokenweir.engine.client import ModelInfo
 from tokenweir.engine.core import EngineCore
 from tokenweir.engine.output import RequestOutput
@@ -342,6 +343,7 @@ class AsyncLLMEngine:
             if shutdown:
                 return
             if self.core.has_unfinished_requests():
+                serving_threads.before_step(len(self.core.states))
                 self._step()
                 self._publish_stats()
 
