@@ -6,6 +6,7 @@ model (max_model_len) and checks that the knobs agree with each other. No torch 
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
@@ -32,6 +33,22 @@ def parse_size(value: Union[int, float, str]) -> int:
     if size <= 0:
         raise ValueError(f"memory size must be positive, got {value!r}")
     return size
+
+
+# A secret does not belong on a command line (other users see it in `ps`): it comes from the
+# environment, as hex.
+PREFIX_CACHE_KEY_ENV = "TOKENWEIR_PREFIX_CACHE_KEY"
+
+
+def prefix_cache_key_from_env() -> Optional[bytes]:
+    value = os.environ.get(PREFIX_CACHE_KEY_ENV)
+    if not value:
+        return None
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise ValueError(f"{PREFIX_CACHE_KEY_ENV} must be hex (1 to 64 bytes), got {len(value)} characters "
+                         "that are not") from None
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -95,9 +112,15 @@ class CacheConfig:
     watermark: float = 0.0  # fraction of blocks kept free when admitting waiting requests
     preemption_mode: str = "recompute"
     swap_space: float = 0.0  # GiB of host memory for swap preemption
+    # Secret key of the prefix-cache block keys (core/block_hash.py); replicas of a deployment
+    # share it. None: unkeyed BLAKE2b (still unforgeable, but computable from outside).
+    prefix_cache_hash_key: Optional[bytes] = None
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
+        key = self.prefix_cache_hash_key
+        if key is not None and (not isinstance(key, bytes) or not 0 < len(key) <= 64):
+            raise ValueError(f"the prefix-cache hash key must be 1 to 64 bytes, got {len(key) if isinstance(key, bytes) else key!r}")
         _check_int("num_blocks", self.num_blocks, 0)
         _check_bool("enable_prefix_caching", self.enable_prefix_caching)
         if not is_finite_number(self.watermark) or not 0.0 <= self.watermark < 1.0:
@@ -201,6 +224,7 @@ class EngineArgs:
         else:
             budget = 2048 if self.enable_chunked_prefill else max(2048, max_model_len or 0)
         cache = CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
+                            prefix_cache_hash_key=prefix_cache_key_from_env(),
                             enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark,
                             preemption_mode=self.preemption_mode, swap_space=self.swap_space)
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else min(256, budget)

@@ -92,3 +92,20 @@ def test_a_bad_deployment_key_is_refused():
     with pytest.raises(ValueError, match="the prefix-cache hash key must be 1 to 64 bytes, got 65"):
         BlockHasher(b"x" * 65)
     KVCacheManager(num_blocks=2, block_size=4, hasher=BlockHasher(b"x" * 64))
+
+
+def test_the_deployment_key_comes_from_the_environment(monkeypatch):
+    from tokenweir.config import PREFIX_CACHE_KEY_ENV, EngineArgs
+    from tokenweir.core.scheduler import Scheduler
+
+    monkeypatch.setenv(PREFIX_CACHE_KEY_ENV, "ab" * 32)
+    cache, sched = EngineArgs().create_engine_configs(model_max_len=256, num_blocks=16)
+    assert cache.prefix_cache_hash_key == b"\xab" * 32
+    keyed = Scheduler(sched, cache).kv_cache_manager.hasher
+    assert keyed.root() == BlockHasher(b"\xab" * 32).root() != BlockHasher().root()
+    monkeypatch.setenv(PREFIX_CACHE_KEY_ENV, "not hex")
+    with pytest.raises(ValueError, match=f"{PREFIX_CACHE_KEY_ENV} must be hex"):
+        EngineArgs()  # refused before any model loads
+    monkeypatch.setenv(PREFIX_CACHE_KEY_ENV, "ab" * 65)
+    with pytest.raises(ValueError, match="the prefix-cache hash key must be 1 to 64 bytes, got 65"):
+        EngineArgs()

@@ -64,10 +64,10 @@ def test_offline_steps_keep_the_default(monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_serve_enables_it_before_the_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     from tokenweir import cli
-    from tokenweir.server import openai_api
+    from tokenweir.server import app
 
     _machine(monkeypatch, cores=2, threads=2)
     seen: list[object] = []
-    monkeypatch.setattr(openai_api, "run_server", lambda _args, _ns: seen.append(serving_threads._serving))
+    monkeypatch.setattr(app, "run_server", lambda _args, _ns: seen.append(serving_threads._serving))
     cli.main(["serve", "--port", "0"])
     assert len(seen) == 1 and seen[0] is not None

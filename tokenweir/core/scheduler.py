@@ -18,6 +18,7 @@ from typing import Iterable, Optional
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_control import BatchController, StaticBatchController, StepLimits
+from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
 from tokenweir.core.policies import SchedulingPolicy, ServedRequest, create_policy
 from tokenweir.request import Request, RequestStatus, SamplingParams
@@ -112,7 +113,8 @@ class Scheduler:
         self.kv_cache_manager = kv_cache_manager or KVCacheManager(
             num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
-            watermark_blocks=cache_config.watermark_blocks)
+            watermark_blocks=cache_config.watermark_blocks,
+            hasher=BlockHasher(cache_config.prefix_cache_hash_key))
         self.policy = policy or create_policy(scheduler_config.policy, scheduler_config.policy_config)
         # A record per scheduled request per step is a noticeable share of a decode step's cost:
         # build them only for a policy that reads them.
