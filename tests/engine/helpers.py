@@ -44,15 +44,14 @@ class FailsOnce:
 def assert_engine_released(engine: EngineCore) -> None:
     """After a test: no request, block or per-request state left in any layer of the engine.
 
-    The runner hears of finished requests in the next step's SchedulerOutput; an idle step
-    delivers them, as the next request's first step would. A finished or preempted id lost on
-    the way (a failed step) leaves the runner's state or a seeded generator behind, and fails here.
+    An idle engine has told its runner of every finished request (no next step would): a finished
+    or preempted id lost on the way (a failed step, the last step before going idle) leaves the
+    runner's state or a seeded generator behind, and fails here.
     """
     assert_no_leaks(engine.scheduler)
     kv = engine.scheduler.kv_cache_manager
     assert kv.num_cached_blocks == {}, kv.num_cached_blocks
     assert engine.states == {}, list(engine.states)
-    engine.step()
     assert engine.runner.requests == {}, list(engine.runner.requests)
     assert engine.runner.generators == {}, list(engine.runner.generators)
 

@@ -117,9 +117,9 @@ def test_a_failed_forward_can_be_run_again(engine, oracle):
 
 
 def test_a_failed_step_does_not_leave_a_stale_generator_for_a_reused_id(engine):
-    """A seeded request finishes; the next step, which would tell the runner so, fails before
-    the runner runs. The id comes back with the same seed: it must draw the same stream again,
-    not continue the old request's generator."""
+    """A seeded request finishes while another still runs; the next step, which would tell the
+    runner so, fails before the runner runs. The id comes back with the same seed: it must draw
+    the same stream again, not continue the old request's generator."""
     seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=11, ignore_eos=True)
 
     def run_alone() -> list[int]:
@@ -131,12 +131,28 @@ def test_a_failed_step_does_not_leave_a_stale_generator_for_a_reused_id(engine):
         return tokens
 
     first = run_alone()
-    engine.add_request("other", [9, 9], GREEDY)
+    assert "s" not in engine.runner.generators  # idle: the runner was told at once
+    engine.add_request("bg", [9, 9], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
+    engine.add_request("s", [5, 6, 7], seeded)
+    while "s" in engine.states:
+        engine.step()
+    assert "s" in engine.runner.generators  # "bg" runs on: the next step would tell the runner
     scheduled = engine.schedule()
     assert "s" in scheduled.finished_req_ids
     engine.fail_step(scheduled, RuntimeError("caller failed"))
     assert "s" not in engine.runner.generators
     assert run_alone() == first
+
+
+def test_an_engine_that_goes_idle_keeps_no_finished_request_state(engine):
+    engine.add_request("seeded", [5, 6, 7], SamplingParams(max_tokens=3, temperature=1.0, seed=3))
+    engine.add_request("aborted", [8, 9], SamplingParams(max_tokens=30, temperature=1.0, seed=4))
+    engine.step()
+    engine.step()
+    engine.abort_requests(["aborted"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.runner.requests == {} and engine.runner.generators == {}
 
 
 @pytest.mark.parametrize("fault", ["forward", "between_schedule_and_execute"])

@@ -188,6 +188,12 @@ class Scheduler:
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
 
+    def take_finished_req_ids(self) -> set[str]:
+        """The requests finished since the last step, which the next SchedulerOutput would have
+        reported; for a caller that tells the runner itself (the engine, when it goes idle)."""
+        finished, self._finished_req_ids = self._finished_req_ids, set()
+        return finished
+
     @property
     def step_in_flight(self) -> Optional[int]:
         """The id of the step scheduled and not yet settled, if any."""
@@ -385,7 +391,7 @@ class Scheduler:
             raise RuntimeError(f"step overspent its limits: {limits.max_num_batched_tokens - step.budget} "
                                f"tokens for {len(step.num_scheduled)} requests within {limits} "
                                f"(max_num_seqs={self.config.max_num_seqs})")
-        finished, self._finished_req_ids = self._finished_req_ids, set()
+        finished = self.take_finished_req_ids()
         step_id = next(self._step_ids)
         self._in_flight = _InFlight(step_id, {rid: self.requests[rid] for rid in step.num_scheduled})
         # A request preempted and re-admitted within one step is in both preempted_req_ids and

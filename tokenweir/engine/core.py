@@ -163,7 +163,15 @@ class EngineCore:
             state = self.states.pop(rid, None)
             if state is not None:
                 outputs.append(self.output_processor.make_output(state))
+        self._release_if_idle()
         return outputs
+
+    def _release_if_idle(self) -> None:
+        """The runner hears of finished requests in the next step's SchedulerOutput; with nothing
+        left to run there is no next step, so tell it now: an idle engine holds no finished
+        request's state or seeded generator."""
+        if not self.scheduler.has_unfinished_requests() and self.scheduler.step_in_flight is None:
+            self.runner.drop_requests(self.scheduler.take_finished_req_ids())
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -215,11 +223,13 @@ class EngineCore:
             # Only once every output exists: a raise above must still find every state to fail.
             for rid in finished:
                 del self.states[rid]
+            self._release_if_idle()
             return result
         except BaseException as e:
             logger.exception("engine step failed; failing its %d requests", len(scheduled.num_scheduled_tokens))
             result = self.fail_step(scheduled, e)
             result.failed = {**failed, **result.failed}  # requests failed before the raise, too
+            self._release_if_idle()
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt and the like: undone, but not swallowed
             return result
