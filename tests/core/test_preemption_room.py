@@ -1,38 +1,24 @@
 """A waiting request preempts only when that makes room for it, and never for the watermark."""
 
+import pytest
+
 from tests.core.helpers import PagedFakeRunner, make_request, reference_stream, run_until_done, step
 from tokenweir.request import RequestStatus
 
 
-def test_no_preemption_for_a_request_that_still_would_not_fit(make_scheduler):
+@pytest.mark.parametrize("max_num_seqs", [16, 2], ids=["blocks", "slot-and-blocks"])
+def test_no_preemption_for_a_request_that_still_would_not_fit(make_scheduler, max_num_seqs):
     # 8 blocks of 4: "top" (more important than "mid") holds 4, "low" holds 2, 2 are free.
-    # "mid" needs 5 blocks: preempting "low" frees only 4, and "top" may not be displaced.
-    s = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=64)
-    runner = PagedFakeRunner(s.block_size)
-    top = make_request("top", 15, max_tokens=2, priority=0)
-    low = make_request("low", 7, max_tokens=2, priority=9)
-    s.add_request(top)
-    s.add_request(low)
-    step(s, runner)  # both prefilled; their next token needs no new block
-    mid = make_request("mid", 18, max_tokens=1, priority=5)
-    s.add_request(mid)
-    out = step(s, runner)
-    assert out.preempted_req_ids == set() and low.num_preemptions == 0
-    assert out.num_scheduled_tokens == {"top": 1, "low": 1}
-    run_until_done(s, runner)
-    for r in (top, low, mid):
-        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
-
-
-def test_no_preemption_for_a_sequence_slot_when_the_blocks_would_still_be_short(make_scheduler):
-    s = make_scheduler(policy="priority", num_blocks=8, max_num_seqs=2, max_num_batched_tokens=64)
+    # "mid" needs 5 blocks (and, with 2 sequences, a slot): preempting "low" frees only 4, and
+    # "top" may not be displaced.
+    s = make_scheduler(policy="priority", num_blocks=8, max_num_seqs=max_num_seqs, max_num_batched_tokens=64)
     runner = PagedFakeRunner(s.block_size)
     top = make_request("top", 15, max_tokens=6, priority=0)
     low = make_request("low", 7, max_tokens=6, priority=9)
     s.add_request(top)
     s.add_request(low)
-    step(s, runner)
-    mid = make_request("mid", 18, max_tokens=1, priority=5)  # 5 blocks; "low" frees 2 of them
+    step(s, runner)  # both prefilled; their next token needs no new block
+    mid = make_request("mid", 18, max_tokens=1, priority=5)
     s.add_request(mid)
     out = step(s, runner)
     assert out.preempted_req_ids == set() and low.num_preemptions == 0

@@ -14,7 +14,7 @@ from tests.hf_reference import hf_greedy
 from tests.server.conftest import MAX_MODEL_LEN, assert_engine_clean, hold_calls, make_engine, wait_until
 from tests.server.helpers import MODEL, slow_down_steps
 from tokenweir.core.scheduler import SchedulerStats
-from tokenweir.engine.async_engine import EngineDeadError, RequestFailedError
+from tokenweir.engine.client import EngineDeadError, RequestFailedError
 from tokenweir.engine.client import EngineClient, ModelInfo
 from tokenweir.request import SamplingParams
 

@@ -28,7 +28,7 @@ from prometheus_client import CollectorRegistry
 from tokenweir.config import EngineArgs
 from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine import serving_threads
-from tokenweir.engine.client import ModelInfo
+from tokenweir.engine.client import EngineDeadError, ModelInfo, RequestFailedError
 from tokenweir.engine.core import EngineCore
 from tokenweir.engine.output import RequestOutput
 from tokenweir.metrics import EngineMetrics, StatsLogger
@@ -37,14 +37,6 @@ from tokenweir.request import SamplingParams, SchedulingHints
 logger = logging.getLogger("tokenweir")
 
 STATS_LOG_INTERVAL_S = 5.0
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop has stopped (shut down or crashed); no request can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """Processing this request failed inside the engine (not the caller's input)."""
 
 
 class RequestStream:

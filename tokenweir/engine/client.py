@@ -16,6 +16,14 @@ from tokenweir.engine.output import RequestOutput
 from tokenweir.request import SamplingParams, SchedulingHints
 
 
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped (shut down or crashed); no request can be served."""
+
+
+class RequestFailedError(RuntimeError):
+    """Processing this request failed inside the engine (not the caller's input)."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What a client may learn about the served model (never a local path)."""

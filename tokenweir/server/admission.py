@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tokenweir.engine.async_engine import EngineDeadError
+from tokenweir.engine.client import EngineDeadError
 from tokenweir.engine.client import EngineClient
 from tokenweir.server.errors import engine_error, overloaded
 

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import tokenweir
 from tokenweir.config import EngineArgs
-from tokenweir.engine.async_engine import EngineDeadError
+from tokenweir.engine.client import EngineDeadError
 from tokenweir.engine.client import EngineClient
 from tokenweir.server.auth import APIKeyMiddleware, guarded_paths
 from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware

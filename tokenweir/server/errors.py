@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tokenweir.engine.async_engine import EngineDeadError
+from tokenweir.engine.client import EngineDeadError
 from tokenweir.server.protocol import ErrorInfo, ErrorResponse
 
 RETRY_AFTER_S = 1

@@ -10,12 +10,12 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, AsyncIterator, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenweir.engine.async_engine import EngineDeadError, RequestFailedError
+from tokenweir.engine.client import EngineDeadError, RequestFailedError
 from tokenweir.engine.client import EngineClient
 from tokenweir.engine.output import RequestOutput
 from tokenweir.server.admission import Admission, WaitingSlot
@@ -66,23 +66,20 @@ class OpenAIServing:
                                 f"`{self.model.name}`.", param="model", code="model_not_found")
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
-        self.check_model(body.model)
-        slot = self.admission.reserve()
-        try:
-            request = await self.translator.completion(body)
-            formatter = CompletionFormatter(self.client.tokenizer, request.params.logprobs)
-            job = await self._submit("cmpl", body, raw, request, formatter, slot)
-        finally:
-            slot.release()
-        return await self._respond(job, body.stream)
+        return await self._serve("cmpl", body, raw, self.translator.completion, CompletionFormatter)
 
     async def chat_completions(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        return await self._serve("chatcmpl", body, raw, self.translator.chat, ChatFormatter)
+
+    async def _serve(self, prefix: str, body: GenerationRequest, raw: Request,
+                     translate: Callable[[Any], Awaitable[EngineRequest]],
+                     formatter_class: type[ResponseFormatter]) -> Response:
         self.check_model(body.model)
         slot = self.admission.reserve()
         try:
-            request = await self.translator.chat(body)
-            formatter = ChatFormatter(self.client.tokenizer, request.params.logprobs)
-            job = await self._submit("chatcmpl", body, raw, request, formatter, slot)
+            request = await translate(body)
+            formatter = formatter_class(self.client.tokenizer, request.params.logprobs)
+            job = await self._submit(prefix, body, raw, request, formatter, slot)
         finally:
             slot.release()
         return await self._respond(job, body.stream)
