@@ -81,9 +81,12 @@ def test_chat_uses_the_template(make_llm, tiny_model_dir):
                                                        tokenize=False, add_generation_prompt=True)
     assert out.prompt == expected
     assert out.prompt_token_ids == llm.get_tokenizer().encode(expected, add_special_tokens=False)
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     batch = llm.chat([[{"role": "user", "content": "hello"}], [{"role": "user", "content": "world"}]],
-                     SamplingParams(max_tokens=2), use_tqdm=False)
-    assert len(batch) == 2
+                     greedy, use_tqdm=False)
+    alone = [llm.chat([{"role": "user", "content": w}], greedy, use_tqdm=False)[0] for w in ("hello", "world")]
+    assert [o.prompt for o in batch] == [o.prompt for o in alone]
+    assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in alone]
 
 
 def test_priority_and_metrics(make_llm, tiny_model_dir):
@@ -102,14 +105,17 @@ def test_priority_and_metrics(make_llm, tiny_model_dir):
     ({"prompt_token_ids": [5] * 600}, r"the prompt has 600 tokens, more than max_model_len \(512\)"),
     ({"prompt_token_ids": [5, 100000]}, r"prompt token ids must be integers in \[0, 256\)"),
     ({"prompt_token_ids": [True, 2]}, r"prompt token ids must be integers in \[0, 256\); got \[True\]"),
-    ({"tokens": [1]}, "unknown prompt keys|a prompt must be a string,"),
+    ({"tokens": [1]}, r"a prompt must be a string, \{'prompt': str\} or \{'prompt_token_ids': \[...\]\}"),
 ])
 def test_bad_prompts_raise_and_leave_nothing_behind(make_llm, tiny_model_dir, prompt, message):
     llm = make_llm(tiny_model_dir("llama"), **KV)
     with pytest.raises(ValueError, match=message):
         llm.generate(["one two", prompt], SamplingParams(max_tokens=2), use_tqdm=False)
-    # The engine still serves.
-    assert len(llm.generate("one", SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids) >= 1
+    # The engine still serves, and exactly as before.
+    greedy = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    after = llm.generate("one", greedy, use_tqdm=False)[0].outputs[0]
+    assert after.token_ids == make_llm(tiny_model_dir("llama"), **KV).generate(
+        "one", greedy, use_tqdm=False)[0].outputs[0].token_ids and len(after.token_ids) == 3
 
 
 def test_bad_sampling_params_and_engine_args(make_llm, tiny_model_dir):
