@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tokenweir.engine import serving_threads
-from tokenweir.engine.serving_threads import SMALL_STEP_MAX_REQUESTS, before_step, reserve_core_for_serving
+from tokenweir.engine.serving_threads import SMALL_STEP_MAX_TOKENS, before_step, reserve_core_for_serving
 
 
 @pytest.fixture(autouse=True)
@@ -30,9 +30,9 @@ def test_small_steps_leave_a_core_and_large_steps_use_every_thread(monkeypatch: 
     assert reserve_core_for_serving() is not None
     before_step(1)
     assert torch.get_num_threads() == 3
-    before_step(SMALL_STEP_MAX_REQUESTS)
+    before_step(SMALL_STEP_MAX_TOKENS)
     assert torch.get_num_threads() == 3
-    before_step(SMALL_STEP_MAX_REQUESTS + 1)
+    before_step(SMALL_STEP_MAX_TOKENS + 1)
     assert torch.get_num_threads() == 4
     before_step(0)
     assert torch.get_num_threads() == 3

@@ -335,7 +335,6 @@ class AsyncLLMEngine:
             if shutdown:
                 return
             if self.core.has_unfinished_requests():
-                serving_threads.before_step(len(self.core.states))
                 self._step()
                 self._publish_stats()
 
@@ -387,6 +386,7 @@ class AsyncLLMEngine:
         scheduled = self.core.schedule()
         try:
             self._publish_waiting()
+            serving_threads.before_step(scheduled.total_num_scheduled_tokens)
             result = self.core.execute(scheduled)
         except Exception as e:
             logger.exception("engine step failed before the model ran")

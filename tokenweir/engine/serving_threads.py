@@ -4,8 +4,10 @@ In `tokenweir serve` the engine thread runs each op as an OpenMP team, while the
 (HTTP, SSE formatting, the hand-off of each output) and the clients on the same host need a
 core at every token. With a team as wide as the machine, one of its threads is preempted at
 every token and each op's barrier waits for it; spin-waiting team threads also take the core
-the event loop wants. That dominates a step of a few requests; a step of many requests gains
-more from the full team than it loses to the event loop, so it keeps all the threads.
+the event loop wants. That dominates a step of a few decode tokens; a step of many tokens (many
+decodes, or any prefill chunk) gains more from the full team than it loses to the event loop,
+so it keeps all the threads: a prompt on one thread fewer waits that much longer for its first
+token.
 Offline (`LLM.generate`) nothing else runs, so it keeps torch's default throughout.
 """
 
@@ -19,8 +21,8 @@ import torch
 
 logger = logging.getLogger("tokenweir")
 
-# Up to this many requests in the engine, a step runs with one core left free.
-SMALL_STEP_MAX_REQUESTS = 4
+# Up to this many scheduled tokens, a step runs with one core left free.
+SMALL_STEP_MAX_TOKENS = 4
 
 
 class ServingThreads:
@@ -30,8 +32,8 @@ class ServingThreads:
         self.full, self.reserved = full, reserved
         self._current = torch.get_num_threads()
 
-    def before_step(self, num_requests: int) -> None:
-        threads = self.reserved if num_requests <= SMALL_STEP_MAX_REQUESTS else self.full
+    def before_step(self, num_scheduled_tokens: int) -> None:
+        threads = self.reserved if num_scheduled_tokens <= SMALL_STEP_MAX_TOKENS else self.full
         if threads != self._current:
             torch.set_num_threads(threads)
             self._current = threads
@@ -50,12 +52,13 @@ def reserve_core_for_serving() -> Optional[ServingThreads]:
         _serving = None
     else:
         _serving = ServingThreads(full, reserved)
-        logger.info("torch intra-op threads: %d, %d for steps of up to %d requests",
-                    full, reserved, SMALL_STEP_MAX_REQUESTS)
+        logger.info("torch intra-op threads: %d, %d for steps of up to %d tokens",
+                    full, reserved, SMALL_STEP_MAX_TOKENS)
     return _serving
 
 
-def before_step(num_requests: int) -> None:
-    """Called by the async engine's thread before each step; a no-op unless enabled."""
+def before_step(num_scheduled_tokens: int) -> None:
+    """Called by the async engine's thread once a step is scheduled, before the model runs; a
+    no-op unless enabled."""
     if _serving is not None:
-        _serving.before_step(num_requests)
+        _serving.before_step(num_scheduled_tokens)
