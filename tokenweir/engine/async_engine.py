@@ -161,15 +161,13 @@ class AsyncLLMEngine:
     def __init__(self, core: EngineCore, *, log_stats: Optional[bool] = None,
                  stats_interval_s: float = STATS_LOG_INTERVAL_S) -> None:
         self.core = core
-        self.model_name = core.served_model_name
-        self.max_model_len = core.max_model_len
         self._clock = core.clock  # one clock for the scheduler's times and the token metrics
-        self.model_info = ModelInfo(self.model_name, self.max_model_len, core.loaded.arch.vocab_size)
+        self.model_info = ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size)
         # The server tokenizes in its threads while the engine thread detokenizes. A copy of
         # its own keeps the engine thread off the server's Rust tokenizer, whose mutating calls
         # (padding and truncation settings) fail when another thread holds it.
         self.tokenizer = copy.deepcopy(core.tokenizer)
-        self.metrics = EngineMetrics(self.model_name, core.scheduler_config.max_num_batched_tokens)
+        self.metrics = EngineMetrics(core.served_model_name, core.scheduler_config.max_num_batched_tokens)
         log_stats = not core.args.disable_log_stats if log_stats is None else log_stats
         self._stats_logger = StatsLogger(stats_interval_s, self._clock()) if log_stats else None
         self._idle_wait_s = stats_interval_s if log_stats else None
