@@ -51,6 +51,25 @@ def _sweep_type(kind: Any, flag: str) -> Any:
     return parse
 
 
+def engine_argv(args: EngineArgs) -> list[str]:
+    """The flags that make `add_engine_args` parse back to `args` (those that differ from the
+    defaults), to start another tokenweir process with the same engine."""
+    defaults = EngineArgs()
+    argv: list[str] = []
+    for f in dataclasses.fields(EngineArgs):
+        value = getattr(args, f.name)
+        if value == getattr(defaults, f.name):
+            continue
+        flag = f.name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(f"--{flag}" if value else f"--no-{flag}")
+        elif value is None:
+            raise ValueError(f"engine arg {f.name} cannot be unset from the command line")
+        else:
+            argv += [f"--{flag}", str(value)]
+    return argv
+
+
 def engine_args_from(ns: argparse.Namespace, skip: frozenset[str] = frozenset()) -> EngineArgs:
     return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names() if name not in skip})
 
@@ -132,6 +151,9 @@ def _add_simulate_parser(sub: Any) -> None:
     add_sim_args(search)
     search.add_argument("--attainment", type=float, default=0.9,
                         help="fraction of requests that must meet every --goodput SLO")
+    search.add_argument("--slo-percentiles", nargs="+", default=None, metavar="METRIC:pNN:MS",
+                        help="instead of --goodput: latency percentiles that must stay within "
+                             "bounds, e.g. ttft:p90:2000 tpot:p99:100")
     search.add_argument("--start-rate", type=float, default=None,
                         help="first rate tried (default: --rate-scale for the trace, else 1 req/s)")
     search.add_argument("--search-iterations", type=int, default=6,

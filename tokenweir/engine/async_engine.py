@@ -26,11 +26,13 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Union
 from prometheus_client import CollectorRegistry
 
 from tokenweir.config import EngineArgs
+from tokenweir.core.cost_model import step_composition
 from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine import serving_threads
 from tokenweir.engine.client import EngineDeadError, ModelInfo, RequestFailedError
 from tokenweir.engine.core import EngineCore
 from tokenweir.engine.output import RequestOutput
+from tokenweir.engine.step_trace import StepTrace
 from tokenweir.metrics import EngineMetrics, StatsLogger
 from tokenweir.request import SamplingParams, SchedulingHints
 
@@ -159,8 +161,10 @@ class AsyncLLMEngine:
     """The asyncio front of one in-process EngineCore; implements `EngineClient`."""
 
     def __init__(self, core: EngineCore, *, log_stats: Optional[bool] = None,
-                 stats_interval_s: float = STATS_LOG_INTERVAL_S) -> None:
+                 stats_interval_s: float = STATS_LOG_INTERVAL_S,
+                 step_trace: Optional[StepTrace] = None) -> None:
         self.core = core
+        self._step_trace = step_trace  # used by the engine thread only
         self._clock = core.clock  # one clock for the scheduler's times and the token metrics
         self.model_info = ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size)
         # The server tokenizes in its threads while the engine thread detokenizes. A copy of
@@ -189,8 +193,8 @@ class AsyncLLMEngine:
         self._thread.start()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
-        return cls(EngineCore(args))
+    def from_engine_args(cls, args: EngineArgs, step_trace: Optional[StepTrace] = None) -> AsyncLLMEngine:
+        return cls(EngineCore(args), step_trace=step_trace)
 
     # ================================================================ event-loop API
 
@@ -324,7 +328,10 @@ class AsyncLLMEngine:
 
     def _loop(self) -> None:
         while True:
-            acks, shutdown = self._handle_commands(block=not self.core.has_unfinished_requests())
+            idle = not self.core.has_unfinished_requests()
+            if idle and self._step_trace is not None:
+                self._step_trace.went_idle()
+            acks, shutdown = self._handle_commands(block=idle)
             # Stats first, acks second: the loop side counts an add as waiting until its ack,
             # so the sum it reads never misses a request.
             self._publish_stats()
@@ -383,6 +390,9 @@ class AsyncLLMEngine:
         # more, so the waiting count the server's limit reads is published in between.
         scheduled = self.core.schedule()
         try:
+            if self._step_trace is not None:
+                self._step_trace.step_started(step_composition(
+                    scheduled, self.core.scheduler.requests, self.core.kv_bytes_per_block))
             self._publish_waiting()
             serving_threads.before_step(scheduled.total_num_scheduled_tokens)
             result = self.core.execute(scheduled)

@@ -72,6 +72,7 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         arch = self.loaded.arch
         num_blocks = _num_kv_blocks(args, self.loaded)
+        self.kv_bytes_per_block = kv_cache_bytes_per_block(arch, args.block_size, self.loaded.dtype)
         self.cache_config, self.scheduler_config = args.create_engine_configs(
             arch.max_model_len, num_blocks)
         self.served_model_name = args.served_model_name or self.loaded.name

@@ -2,12 +2,16 @@
 
 The fit minimises relative error (each sample weighted by 1/time), so a 20 ms decode step
 counts as much as a 2 s prefill step: the simulator's TPOT depends on the small steps being
-right, its TTFT on the large ones. Coefficients are kept non-negative (no feature makes a step
+right, its TTFT on the large ones. Each kind of step weighs the same in total (samples are
+grouped by the binary magnitude of their decode rows and prefill tokens, and a group of n
+samples gives each 1/n): a load records many more small decode steps than large mixed ones,
+and the fit must not trade the rare shapes for the common one. Coefficients are kept non-negative (no feature makes a step
 faster), which also keeps nearly collinear features (rows and sampled rows) from cancelling.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -60,10 +64,13 @@ def fit_cost_model(compositions: Sequence[StepComposition], seconds: Sequence[fl
         raise ValueError("step times must be > 0")
     # Scale columns to comparable magnitudes (attention pairs run to millions) so the solver's
     # tolerances mean the same thing for every feature.
-    x = np.array([feature_vector(c, small_step_max_tokens) for c in compositions]) / t[:, None]
+    groups = [(c.num_decode_seqs.bit_length(), c.num_prefill_tokens.bit_length()) for c in compositions]
+    sizes = Counter(groups)
+    w = np.sqrt([1.0 / sizes[g] for g in groups])  # squared in the least squares: 1/n per sample
+    x = np.array([feature_vector(c, small_step_max_tokens) for c in compositions]) / t[:, None] * w[:, None]
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
-    coef = nnls(x / scale, np.ones(len(t))) / scale
+    coef = nnls(x / scale, w) / scale
     return StepCostModel(dict(zip(FEATURES, (float(c) for c in coef))), swap_bytes_per_second,
                          dict(metadata or {}), small_step_max_tokens)
 

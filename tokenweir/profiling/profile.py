@@ -22,7 +22,7 @@ import torch
 
 from tokenweir.config import EngineArgs
 from tokenweir.profiling.fit import fit_cost_model, fit_errors, format_errors
-from tokenweir.profiling.measure import ProfileGrid, StepTimer, measure_copy_bandwidth, run_grid
+from tokenweir.profiling.measure import ProfileGrid, StepSample, StepTimer, measure_copy_bandwidth, run_grid
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -31,6 +31,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="quick: a small grid for a first look (a less exact fit)")
     parser.add_argument("--serving-threads", action=argparse.BooleanOptionalAction, default=True,
                         help="run steps with `tokenweir serve`'s thread choice (default on)")
+    parser.add_argument("--serving", action="store_true",
+                        help="profile `tokenweir serve` itself: start it with --step-trace, load it "
+                             "with streaming clients, and fit to the engine loop's real step times")
 
 
 def fitting_grid(grid: ProfileGrid, pool_tokens: int) -> ProfileGrid:
@@ -57,50 +60,36 @@ def build_engine(args: EngineArgs, grid: ProfileGrid):
     return EngineCore(args)
 
 
-def profile(args: EngineArgs, grid: ProfileGrid, serving_threads: bool,
-            log=lambda s: print(s, file=sys.stderr)) -> tuple[dict, str]:
-    """Measure and fit; returns the profile's JSON object and the printed error table."""
-    from tokenweir.engine import serving_threads as threads
-    from tokenweir.model.arch import kv_cache_bytes_per_block
-
-    full_threads = torch.get_num_threads()
-    small_steps = 0
-    if serving_threads and threads.reserve_core_for_serving() is not None:
-        small_steps = threads.SMALL_STEP_MAX_TOKENS
-    engine = build_engine(args, grid)
-    pool_tokens = engine.cache_config.num_blocks * engine.cache_config.block_size
-    grid = fitting_grid(grid, pool_tokens)
-    per_block = kv_cache_bytes_per_block(engine.loaded.arch, engine.cache_config.block_size, engine.loaded.dtype)
-    timer = StepTimer(engine, per_block,
-                      threads.before_step if serving_threads else (lambda n: None))
-    start = time.perf_counter()
-    for _ in run_grid(timer, grid, log):
-        pass
-    bandwidth = measure_copy_bandwidth(engine.runner.kv_caches)
-    samples = timer.samples
-    metadata = {
-        "model": engine.served_model_name,
-        "dtype": str(engine.loaded.dtype).removeprefix("torch."),
-        "device": str(engine.loaded.device),
-        "device_name": (torch.cuda.get_device_name(engine.loaded.device)
-                        if engine.loaded.device.type == "cuda" else platform.processor() or platform.machine()),
-        "torch_threads": full_threads,
-        "max_model_len": engine.loaded.arch.max_model_len,
+def engine_metadata(name: str, loaded, args: EngineArgs, num_blocks: int, per_block: int,
+                    serving_threads: bool) -> dict:
+    """What a profile records about the engine it measured; the simulator sizes its KV pool and
+    its limits from it."""
+    return {
+        "model": name,
+        "model_path": str(loaded.path),  # its tokenizer, for exact prompt lengths
+        "dtype": str(loaded.dtype).removeprefix("torch."),
+        "device": str(loaded.device),
+        "device_name": (torch.cuda.get_device_name(loaded.device)
+                        if loaded.device.type == "cuda" else platform.processor() or platform.machine()),
+        "torch_threads": torch.get_num_threads(),
+        "max_model_len": loaded.arch.max_model_len,
         "serving_threads": serving_threads,
-        "block_size": engine.cache_config.block_size,
+        "block_size": args.block_size,
         "kv_bytes_per_block": per_block,
         # The engine's KV pool with these flags: the simulator's default pool.
-        "kv_cache_bytes": engine.cache_config.num_blocks * per_block,
-        "grid": args_grid_dict(grid),
-        "num_samples": len(samples),
-        "profile_seconds": round(time.perf_counter() - start, 1),
+        "kv_cache_bytes": num_blocks * per_block,
         "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+
+
+def fit_profile(samples: list[StepSample], bandwidth: float, metadata: dict,
+                small_step_max_tokens: int) -> tuple[dict, str]:
+    """Fit the samples; returns the profile's JSON object and the printed error table."""
     comps = [s.composition for s in samples]
     secs = [s.seconds for s in samples]
-    regions = [s.region for s in samples]
-    model = fit_cost_model(comps, secs, bandwidth, metadata, small_steps)
-    errors = fit_errors(model, comps, secs, regions)
+    model = fit_cost_model(comps, secs, bandwidth, {**metadata, "num_samples": len(samples)},
+                           small_step_max_tokens)
+    errors = fit_errors(model, comps, secs, [s.region for s in samples])
     model.metadata["fit_error"] = {e.region: {"samples": e.num_samples, "mape": round(e.mape, 4),
                                               "max_error": round(e.max_error, 4)} for e in errors}
     data = model.to_dict()
@@ -110,13 +99,42 @@ def profile(args: EngineArgs, grid: ProfileGrid, serving_threads: bool,
     return data, format_errors(errors)
 
 
+def profile(args: EngineArgs, grid: ProfileGrid, serving_threads: bool,
+            log=lambda s: print(s, file=sys.stderr)) -> tuple[dict, str]:
+    """Time the engine over the grid in this process and fit."""
+    from tokenweir.engine import serving_threads as threads
+
+    full_threads = torch.get_num_threads()
+    small_steps = 0
+    if serving_threads and threads.reserve_core_for_serving() is not None:
+        small_steps = threads.SMALL_STEP_MAX_TOKENS
+    engine = build_engine(args, grid)
+    pool_tokens = engine.cache_config.num_blocks * engine.cache_config.block_size
+    grid = fitting_grid(grid, pool_tokens)
+    timer = StepTimer(engine, engine.kv_bytes_per_block,
+                      threads.before_step if serving_threads else (lambda n: None))
+    start = time.perf_counter()
+    for _ in run_grid(timer, grid, log):
+        pass
+    metadata = engine_metadata(engine.served_model_name, engine.loaded, args, engine.cache_config.num_blocks,
+                               engine.kv_bytes_per_block, serving_threads)
+    metadata.update(torch_threads=full_threads, source="engine step grid", grid=args_grid_dict(grid),
+                    profile_seconds=round(time.perf_counter() - start, 1))
+    return fit_profile(timer.samples, measure_copy_bandwidth(engine.runner.kv_caches), metadata, small_steps)
+
+
 def args_grid_dict(grid: ProfileGrid) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(grid).items()}
 
 
 def main(ns: argparse.Namespace, args: EngineArgs) -> int:
     grid = ProfileGrid.quick() if ns.grid == "quick" else ProfileGrid()
-    data, table = profile(args, grid, ns.serving_threads)
+    if ns.serving:
+        from tokenweir.profiling.serving import profile_serving
+
+        data, table = profile_serving(args, quick=ns.grid == "quick")
+    else:
+        data, table = profile(args, grid, ns.serving_threads)
     print(table)
     coef = ", ".join(f"{k}={v:.3g}" for k, v in data["coefficients"].items())
     print(f"coefficients (s per unit): {coef}; swap {data['swap_bytes_per_second'] / 1e9:.2f} GB/s")

@@ -88,7 +88,10 @@ def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
     """`tokenweir serve`: load the model, then serve until interrupted."""
     from tokenweir.engine.async_engine import AsyncLLMEngine
 
-    engine = AsyncLLMEngine.from_engine_args(engine_args)
+    from tokenweir.engine.step_trace import StepTrace
+
+    step_trace = StepTrace(ns.step_trace) if ns.step_trace else None
+    engine = AsyncLLMEngine.from_engine_args(engine_args, step_trace)
     try:
         app = build_app(engine, api_key=ns.api_key, max_waiting_requests=ns.max_waiting_requests,
                         max_request_body_bytes=ns.max_request_body_bytes,
@@ -97,3 +100,5 @@ def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
                     access_log=not ns.disable_uvicorn_access_log)
     finally:
         engine.shutdown()
+        if step_trace is not None:
+            step_trace.close()

@@ -28,5 +28,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="answer 413 to a larger request body, before parsing it (default %(default)s)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
+    parser.add_argument("--step-trace", default=None, metavar="FILE",
+                        help="write each engine step's composition and duration as a JSON line "
+                             "(what `tokenweir profile --serving` fits the simulator's cost model to)")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="do not log one line per HTTP request")

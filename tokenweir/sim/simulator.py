@@ -90,8 +90,8 @@ class Simulator:
     """Runs one workload through one simulated engine; `run` may be called once."""
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, cost_model: StepCostModel,
-                         timeseries_points: int = 500) -> Simulator:
+    def from_engine_args(cls, args: EngineArgs, cost_model: StepCostModel, timeseries_points: int = 500,
+                         on_step: Optional[Callable[[SchedulerOutput, float], None]] = None) -> Simulator:
         """The engine `args` describe, on the device and model the profile was taken on."""
         meta = cost_model.metadata
         try:
@@ -104,7 +104,7 @@ class Simulator:
                              "`tokenweir profile`") from None
         cache_cfg, sched_cfg = scheduler_configs(args, model_max_len, kv_cache_bytes, per_token)
         return cls(Scheduler(sched_cfg, cache_cfg), cost_model, per_token * args.block_size,
-                   timeseries_points)
+                   timeseries_points, on_step)
 
     def __init__(self, scheduler: Scheduler, cost_model: StepCostModel, kv_bytes_per_block: int,
                  timeseries_points: int = 500,

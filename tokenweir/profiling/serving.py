@@ -1,0 +1,129 @@
+"""`tokenweir profile --serving`: fit the cost model to `tokenweir serve`'s own step times.
+
+On a machine where the server, its event loop and its clients share a few cores, a step of the
+serving engine takes longer than the same step run alone: outputs are handed to the event
+loop, streamed, parsed by the clients, all on the cores the model wants. The simulator of
+`serve` must advance by that time. So this profile starts `tokenweir serve --step-trace` with
+the given engine flags, loads it with `bench serve`'s streaming client over loopback (random
+prompts and outputs, at concurrency levels from 1 to 64, so every batch size and mix of
+prefill and decode occurs), and fits the cost model to the recorded steps: each step's
+composition and the engine loop's real period.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from tokenweir.config import EngineArgs
+from tokenweir.core.cost_model import StepComposition
+from tokenweir.profiling.measure import StepSample, measure_copy_bandwidth
+
+# (client concurrency, requests) per phase of the load; prompts of 20-780 tokens, outputs of
+# 5-187 tokens, so that phases hold decode batches near their concurrency with prefills mixed in.
+PHASES = ((1, 4), (2, 6), (4, 10), (8, 16), (16, 28), (32, 44), (64, 76))
+INPUT_LEN, OUTPUT_LEN, RANGE_RATIO = 400, 96, 0.95
+# A first look (and the tests, on tiny models): two short phases of short requests.
+QUICK_PHASES = ((1, 2), (4, 6))
+QUICK_INPUT_LEN, QUICK_OUTPUT_LEN = 24, 12
+# The server's first steps pay for lazy kernel builds and allocator growth.
+WARMUP_STEPS = 8
+
+
+def region_of(comp: StepComposition) -> str:
+    if not comp.num_prefill_tokens:
+        return "decode"
+    return "prefill" if not comp.num_decode_seqs else "mixed"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the profiled server exited with status {server.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise RuntimeError(f"the profiled server did not answer {url}/health within {timeout_s:.0f} s")
+
+
+def _load(base_url: str, quick: bool, tokenizer: str) -> None:
+    from tokenweir.bench import serve as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_cli_args(parser)
+    phases = QUICK_PHASES if quick else PHASES
+    input_len, output_len = (QUICK_INPUT_LEN, QUICK_OUTPUT_LEN) if quick else (INPUT_LEN, OUTPUT_LEN)
+    for i, (concurrency, num) in enumerate(phases):
+        print(f"serving profile: {num} requests at concurrency {concurrency}", file=sys.stderr)
+        ns = parser.parse_args([
+            "--base-url", base_url, "--dataset-name", "random", "--num-prompts", str(num),
+            "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+            "--random-range-ratio", str(RANGE_RATIO), "--max-concurrency", str(concurrency),
+            "--ignore-eos", "--seed", str(1000 + i), "--tokenizer", tokenizer])
+        result = bench.main(ns)
+        if result["failed"]:
+            raise RuntimeError(f"the profiled server failed {result['failed']} requests: {result['errors'][:3]}")
+
+
+def profile_serving(args: EngineArgs, quick: bool = False) -> tuple[dict, str]:
+    from tokenweir.cli import engine_argv
+    from tokenweir.engine.core import _num_kv_blocks
+    from tokenweir.engine.step_trace import read_step_trace
+    from tokenweir.model.arch import kv_cache_bytes_per_block
+    from tokenweir.model.attention import allocate_kv_caches
+    from tokenweir.model.loader import load_model
+    from tokenweir.profiling.profile import engine_metadata, fit_profile
+    from tokenweir.engine.serving_threads import SMALL_STEP_MAX_TOKENS
+
+    # What the server will build, read here without serving: the model's name, dtype, KV pool.
+    loaded = load_model(args.model, args.dtype, args.device)
+    per_block = kv_cache_bytes_per_block(loaded.arch, args.block_size, loaded.dtype)
+    num_blocks = _num_kv_blocks(args, loaded)
+    name = args.served_model_name or loaded.name
+    bandwidth = measure_copy_bandwidth(allocate_kv_caches(loaded.arch, 128, args.block_size,
+                                                          loaded.dtype, loaded.device))
+    metadata = engine_metadata(name, loaded, args, num_blocks, per_block, serving_threads=True)
+    del loaded
+
+    work = Path(tempfile.mkdtemp(prefix="tokenweir-profile-"))
+    trace = work / "steps.jsonl"
+    port = _free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "tokenweir.cli", "serve", "--port", str(port), "--step-trace", str(trace),
+         "--disable-log-stats", "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning",
+         *engine_argv(dataclasses.replace(args, disable_log_stats=False))],
+        env={**os.environ})
+    start = time.perf_counter()
+    try:
+        _wait_healthy(base_url, server)
+        _load(base_url, quick, metadata["model_path"])
+    finally:
+        server.terminate()
+        server.wait(timeout=120)
+    samples = [StepSample(comp, seconds, region_of(comp))
+               for comp, seconds in read_step_trace(trace)[WARMUP_STEPS:]]
+    if len(samples) < 10:
+        raise RuntimeError(f"the serving profile recorded only {len(samples)} steps")
+    metadata.update(source="tokenweir serve step trace under bench-serve load",
+                    load_phases=[list(p) for p in (QUICK_PHASES if quick else PHASES)],
+                    profile_seconds=round(time.perf_counter() - start, 1))
+    # The server leaves a core to the serving path in steps of up to this many tokens.
+    return fit_profile(samples, bandwidth, metadata, SMALL_STEP_MAX_TOKENS)
