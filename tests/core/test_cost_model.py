@@ -10,7 +10,7 @@ from tests.core.helpers import assert_no_leaks, create_scheduler, make_request
 from tokenweir.core.cost_model import (DEFAULT_PROFILE, FEATURES, StepComposition, StepCostModel,
                                        chunk_composition, load_cost_model, step_composition)
 
-COEF = {"step": 0.01, "tokens": 0.001, "seqs": 0.0002, "decode_context": 1e-6, "sampled_to_knee": 0.0,
+COEF = {"step": 0.01, "tokens": 0.001, "seqs": 0.0002, "decode_context": 1e-6,
         "prefill_attention": 1e-8, "sampled": 0.0005, "small_step": 0.004}
 
 

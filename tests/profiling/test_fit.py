@@ -9,7 +9,7 @@ from tokenweir.core.cost_model import FEATURES, StepCostModel, chunk_composition
 from tokenweir.profiling.fit import fit_cost_model, fit_errors, nnls
 
 TRUE = {"step": 0.012, "tokens": 0.0005, "seqs": 0.0001, "decode_context": 2e-6,
-        "prefill_attention": 5e-7, "sampled": 0.0003, "small_step": 0.009, "sampled_to_knee": 0.0002}
+        "prefill_attention": 5e-7, "sampled": 0.0003, "small_step": 0.009}
 
 
 def synthetic_steps(rng: np.random.Generator, n: int):

@@ -83,8 +83,6 @@ def step_composition(out: SchedulerOutput, requests: Mapping[str, Request],
     return total
 
 
-SAMPLED_KNEE = 16
-
 # name -> how the feature is read from a composition and the profile's small-step bound. The
 # fitted coefficients are seconds per unit of the feature.
 FEATURES: dict[str, Callable[[StepComposition, int], float]] = {
@@ -94,10 +92,6 @@ FEATURES: dict[str, Callable[[StepComposition, int], float]] = {
     "decode_context": lambda c, small: c.decode_context_tokens,
     "prefill_attention": lambda c, small: c.prefill_attention_pairs,
     "sampled": lambda c, small: c.num_sampled,
-    # Sampled rows up to a knee: per streamed token, the serving path (detokenizing, the event
-    # loop, local clients) adds work that stops growing once batches are large enough for it
-    # to overlap the model's compute on the other cores.
-    "sampled_to_knee": lambda c, small: min(c.num_sampled, SAMPLED_KNEE),
     # `tokenweir serve` runs steps of a few tokens on one thread fewer (serving_threads.py):
     # such a step pays a fixed extra that a larger one does not.
     "small_step": lambda c, small: float(0 < c.num_tokens <= small),
