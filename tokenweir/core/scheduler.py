@@ -76,6 +76,7 @@ class SchedulerStats:
     kv_cache_usage: float  # 0..1
     num_preemptions: int  # cumulative
     prefix_cache: PrefixCacheStats  # cumulative
+    policy: dict[str, object] = field(default_factory=dict)  # the policy's own state (get_stats)
 
 
 @dataclass
@@ -210,7 +211,8 @@ class Scheduler:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               num_swapped=0, kv_cache_usage=kv.get_usage(),
                               num_preemptions=self.num_preemptions,
-                              prefix_cache=PrefixCacheStats(**vars(kv.prefix_cache_stats)))
+                              prefix_cache=PrefixCacheStats(**vars(kv.prefix_cache_stats)),
+                              policy=self.policy.get_stats())
 
     # ------------------------------------------------------------------ one step
 
@@ -221,6 +223,9 @@ class Scheduler:
         limits = self._get_limits(now)
         step = _StepState(limits=limits, budget=limits.max_num_batched_tokens)
         self.policy.begin_step(now, self.waiting, self.running)
+        for request, reason in self.policy.take_expired(now):  # overload shedding (sla)
+            request.status_message = reason
+            self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED, now)
 
         # 1. Running requests keep their place; each continues its prefill or decodes a token.
         for request in list(self.running):
