@@ -120,6 +120,9 @@ class Scheduler:
         # A record per scheduled request per step is a noticeable share of a decode step's cost:
         # build them only for a policy that reads them.
         self._policy_wants_feedback = type(self.policy).on_step_served is not SchedulingPolicy.on_step_served
+        # Likewise the search for victims on admission, for a policy that never lets a waiting
+        # request preempt (fcfs, vtc): it would be refused victim after victim.
+        self._policy_preempts = type(self.policy).may_preempt is not SchedulingPolicy.may_preempt
         self.batch_controller = batch_controller or StaticBatchController(
             StepLimits(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs))
         self.waiting = self.policy.make_waiting_queue()
@@ -307,6 +310,8 @@ class Scheduler:
                 return []
             if kv.can_allocate(request, num_new, computed, num_hit):
                 return None  # only the reserve is short
+        if not self._policy_preempts:
+            return None
         victims: list[Request] = []
         candidates = list(self.running)
         while candidates:

@@ -135,11 +135,18 @@ class VirtualTokenCounters:
 
     def charge(self, served: Sequence[ServedRequest]) -> None:
         cfg = self.config
+        w_in, w_out = cfg.input_weight, cfg.output_weight
         growth: dict[Tenant, float] = {}
         for s in served:
-            tokens = cfg.input_weight * fresh_prompt_tokens(s) + cfg.output_weight * s.num_output_tokens
+            request = s.request
+            tokens = w_out * s.num_output_tokens
+            # fresh_prompt_tokens(s), inlined: this loop runs for every request of every step.
+            num_prompt, end = len(request.prompt_token_ids), request.num_computed_tokens
+            fresh_start = end - s.num_computed_tokens + s.num_recomputed_tokens
+            if fresh_start < num_prompt:
+                tokens += w_in * max(0, min(end, num_prompt) - fresh_start)
             if tokens:
-                tenant = s.request.tenant
+                tenant = request.hints.tenant
                 growth[tenant] = growth.get(tenant, 0.0) + tokens
         for tenant, tokens in growth.items():
             self.counters[tenant] = self.counter(tenant) + tokens / self.weight(tenant)

@@ -54,6 +54,8 @@ class SLAPolicy(SchedulingPolicy):
         self.fairness = [0.0] * n
         self._now = 0.0
         self._running_scores: dict[str, float] = {}  # this step's scores of running requests
+        self._statics: dict[str, tuple[Request, float, int, float]] = {}  # see _static
+        self._admitting: Optional[Request] = None  # popped this step, being admitted now
         self._deadlines: list[tuple[float, int, Request]] = []  # drop_expired: who expires when
         self._deadlines_kept = 0
         self._seq = itertools.count()
@@ -77,6 +79,10 @@ class SLAPolicy(SchedulingPolicy):
         cfg = self.config
         self._now = now
         self._running_scores.clear()
+        self._admitting = None
+        if len(self._statics) > 2 * len(running) + 1024:  # finished requests' entries, now and then
+            live = {r.request_id for r in running}
+            self._statics = {rid: v for rid, v in self._statics.items() if rid in live}
         num_waiting = len(waiting)
         total = num_waiting + len(running)
         self.load = num_waiting / total if total else 0.0
@@ -135,6 +141,7 @@ class SLAPolicy(SchedulingPolicy):
 
     def _on_popped(self, request: Request) -> None:
         """Explain the request whose turn it is (it may still fail to fit)."""
+        self._admitting = request
         parts = self.explain(request, self._now)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("sla t=%.3f load=%.2f next %s: %s", self._now, self.load, request.request_id,
@@ -152,13 +159,82 @@ class SLAPolicy(SchedulingPolicy):
     # ------------------------------------------------------------ preemption
 
     def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        """The unprotected running request with the lowest score (then the latest arrival);
+        protected ones only if all are.
+
+        While a waiting request is being admitted (it was just popped) the exact scores are
+        skipped when a lower bound already shows that it can preempt nobody: a running request
+        scores at least its static key plus its class's compensation plus, while decoding,
+        urgency * sigmoid(-tpot_slo / window) (its due time is at most tpot_slo away). The
+        request returned then is the one with the lowest bound, which may_preempt refuses as it
+        would refuse every other. At 256 running this keeps the policy's cost per step low."""
+        admitting = self._admitting
+        if admitting is not None and not self._is_aged(admitting, now):
+            victim, bound = self._lowest_bound(running)
+            if bound >= self.score(admitting, now) - self.config.preempt_margin:
+                return victim
+        scores = self._running_scores
+        if len(scores) < len(running):
+            self._score_running(running, now)
         k = self.config.max_preemptions
-        victim = min(running, key=lambda r: (r.num_preemptions >= k, self._running_score(r, now),
+        victim = min(running, key=lambda r: (r.num_preemptions >= k, scores[r.request_id],
                                              -r.arrival_time, r.request_id))
         parts = self.explain(victim, now)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("sla t=%.3f victim %s: %s", now, victim.request_id, parts.as_dict())
         return victim
+
+    def _static(self, r: Request) -> tuple[Request, float, int, float]:
+        """(request, static_key, class, the urgency floor while decoding), cached per request."""
+        static = self._statics.get(r.request_id)
+        if static is None or static[0] is not r:
+            cfg = self.config
+            tpot = r.hints.tpot_slo
+            floor = sigmoid(-tpot / cfg.time_window) if tpot is not None else 0.0
+            static = self._statics[r.request_id] = (
+                r, static_key(r, cfg), priority_class(r.priority, cfg.num_priority_classes), floor)
+        return static
+
+    def _lowest_bound(self, running: Sequence[Request]) -> tuple[Request, float]:
+        """The running request with the lowest lower bound of its score now (unprotected ones
+        first; a protected one gets an infinite bound: no waiting request may preempt it)."""
+        cfg = self.config
+        scale, fairness, static_of = cfg.urgency_weight * self.load_adjustment, self.fairness, self._static
+        k = cfg.max_preemptions
+        lowest, victim = math.inf, running[0]
+        for r in running:
+            if r.num_preemptions >= k:
+                continue
+            _, key, cls, floor = static_of(r)
+            bound = key + fairness[cls]
+            if r.first_token_time is not None:
+                bound += scale * floor
+            if bound < lowest:
+                lowest, victim = bound, r
+        return victim, lowest + cfg.aging_rate * self._now
+
+    def _score_running(self, running: Sequence[Request], now: float) -> None:
+        """self.score() for every running request not yet scored this step, inlined."""
+        cfg = self.config
+        scores, static_of = self._running_scores, self._static
+        scale, window, fairness = cfg.urgency_weight * self.load_adjustment, cfg.time_window, self.fairness
+        common = cfg.aging_rate * now
+        for r in running:
+            rid = r.request_id
+            if rid in scores:
+                continue
+            _, key, cls, _ = static_of(r)
+            h = r.hints
+            due = math.inf if h.deadline is None else r.arrival_time + h.deadline
+            if r.first_token_time is None:
+                if h.ttft_slo is not None:
+                    due = min(due, r.arrival_time + h.ttft_slo)
+            elif h.tpot_slo is not None:
+                due = min(due, r.last_token_time + h.tpot_slo)
+            score = key + common + fairness[cls]
+            if due != math.inf:
+                score += scale * sigmoid((now - due) / window)
+            scores[rid] = score
 
     def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:
         if victim.num_preemptions >= self.config.max_preemptions:
