@@ -160,7 +160,7 @@ class SLAPolicy(SchedulingPolicy):
 
     def select_victim(self, running: Sequence[Request], now: float) -> Request:
         """The unprotected running request with the lowest score (then the latest arrival);
-        protected ones only if all are.
+        aged ones (waited max_wait before running) only if all others are, protected ones last.
 
         While a waiting request is being admitted (it was just popped) the exact scores are
         skipped when a lower bound already shows that it can preempt nobody: a running request
@@ -174,11 +174,10 @@ class SLAPolicy(SchedulingPolicy):
             if bound >= self.score(admitting, now) - self.config.preempt_margin:
                 return victim
         scores = self._running_scores
-        if len(scores) < len(running):
-            self._score_running(running, now)
-        k = self.config.max_preemptions
-        victim = min(running, key=lambda r: (r.num_preemptions >= k, scores[r.request_id],
-                                             -r.arrival_time, r.request_id))
+        self._score_running(running, now)
+        k, horizon = self.config.max_preemptions, now - self.config.max_wait
+        victim = min(running, key=lambda r: (r.num_preemptions >= k, r.arrival_time <= horizon,
+                                             scores[r.request_id], -r.arrival_time, r.request_id))
         parts = self.explain(victim, now)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("sla t=%.3f victim %s: %s", now, victim.request_id, parts.as_dict())
@@ -196,15 +195,17 @@ class SLAPolicy(SchedulingPolicy):
         return static
 
     def _lowest_bound(self, running: Sequence[Request]) -> tuple[Request, float]:
-        """The running request with the lowest lower bound of its score now (unprotected ones
-        first; a protected one gets an infinite bound: no waiting request may preempt it)."""
+        """The running request with the lowest lower bound of its score now, among those a
+        waiting request that is not aged may preempt (neither protected nor aged; with none,
+        an infinite bound)."""
         cfg = self.config
         scale, fairness, static_of = cfg.urgency_weight * self.load_adjustment, self.fairness, self._static
         k = cfg.max_preemptions
         lowest, victim = math.inf, running[0]
+        horizon = self._now - cfg.max_wait
         for r in running:
-            if r.num_preemptions >= k:
-                continue
+            if r.num_preemptions >= k or r.arrival_time <= horizon:
+                continue  # may_preempt refuses these
             _, key, cls, floor = static_of(r)
             bound = key + fairness[cls]
             if r.first_token_time is not None:
@@ -239,9 +240,12 @@ class SLAPolicy(SchedulingPolicy):
     def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:
         if victim.num_preemptions >= self.config.max_preemptions:
             return False
+        # The wait bound: an aged request displaces any younger unprotected one, and is
+        # displaced by no younger one.
         if self._is_aged(waiting, now):
-            # The wait bound: an aged request displaces any younger unprotected one.
             return victim.arrival_time > waiting.arrival_time
+        if self._is_aged(victim, now):
+            return False
         return self.score(waiting, now) > self._running_score(victim, now) + self.config.preempt_margin
 
     # ------------------------------------------------------------ feedback and shedding

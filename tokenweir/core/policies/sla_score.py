@@ -57,10 +57,11 @@ class SLAConfig(PolicyConfig):
     fairness_window: float = 30.0  # seconds over which class shares decay
     aging_rate: float = 0.02  # score per second waited (one priority level per 50 s)
     max_wait: float = 120.0  # seconds: after this a request is served before all younger ones
-    # A waiting request preempts only a victim scored this much lower. Larger than the urgency
-    # swing within a class at normal load (urgency_weight * (1 - 0.5)), so a late request does
-    # not displace one of its own kind that is on time, only a less urgent or less important one.
-    preempt_margin: float = 2.0
+    # A waiting request preempts only a victim scored this much lower: above the urgency swing
+    # between two requests of one kind (one late, one on time: urgency_weight * (1 - 0.5) *
+    # load adjustment, up to 1.5), below that plus one priority level, so a late request
+    # displaces a less important one, not one of its own kind.
+    preempt_margin: float = 1.5
     max_preemptions: int = 2  # k: a request preempted k times is not preempted for another
     drop_expired: bool = False  # finish requests whose deadline has passed (overload shedding)
     num_priority_classes: int = 4
