@@ -33,13 +33,14 @@ def test_score_parts_are_the_hand_computed_terms():
     # load = 3 waiting / 4 unfinished = 0.75 -> adjustment 1 + (0.75 - 0.5) * 1 = 1.25
     assert parts.load_adjustment == pytest.approx(1.25)
     assert parts.base == -2.0
-    assert parts.urgency == pytest.approx(1 / (1 + math.exp(-0.5)))  # due at 1.0, now 1.5, window 1
-    assert parts.urgency_term == pytest.approx(0.6224593 * 1.25 * 2.0, rel=1e-6)
+    # Due at 1.0, now 1.5, window 1: half a window late, fading from 1 at the due time.
+    assert parts.urgency == pytest.approx(2 / (1 + math.exp(0.5)))
+    assert parts.urgency_term == pytest.approx(0.7550813 * 1.25 * 2.0, rel=1e-6)
     assert parts.resource == pytest.approx(math.log(20) / 10)
     assert parts.resource_term == pytest.approx(-0.1 * math.log(20) / 10)
-    assert parts.aging == pytest.approx(0.02 * 1.5)
+    assert parts.aging == pytest.approx(0.001 * 1.5)
     assert parts.fairness == 0.0 and parts.priority_class == 2 and not parts.aged
-    assert parts.total == pytest.approx(-2.0 + 1.5561483 - 0.0299573 + 0.03, abs=1e-6)
+    assert parts.total == pytest.approx(-2.0 + 1.8877033 - 0.0299573 + 0.0015, abs=1e-6)
     assert policy.score(r, 1.5) == pytest.approx(parts.total)
     assert policy.get_stats()["scores"]["r"] == parts
 
@@ -48,9 +49,11 @@ def test_due_time_follows_the_deadline_then_ttft_then_tpot():
     policy = SLAPolicy()
     policy.make_waiting_queue()
     r = _req("r", deadline=10.0, ttft_slo=2.0, tpot_slo=0.5, arrival=1.0)
-    assert policy.explain(r, 3.0).urgency == pytest.approx(sigmoid(0.0))  # arrival + ttft = 3
+    assert policy.explain(r, 3.0).urgency == pytest.approx(1.0)  # arrival + ttft = 3
+    assert policy.explain(r, 1.0).urgency == pytest.approx(2 * sigmoid(-2.0))
+    assert policy.explain(r, 5.0).urgency == pytest.approx(2 * sigmoid(-2.0))  # missed: fading
     r.append_output_token(7, now=4.0)
-    assert policy.explain(r, 4.0).urgency == pytest.approx(sigmoid(-0.5))  # last token + tpot = 4.5
+    assert policy.explain(r, 4.0).urgency == pytest.approx(2 * sigmoid(-0.5))  # last token + tpot = 4.5
     plain = _req("plain")
     assert policy.explain(plain, 100.0).urgency == 0.0
 

@@ -26,7 +26,7 @@ from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest
 from tokenweir.core.policies.fair_share import VirtualTokenCounters
 from tokenweir.core.policies.sla_queue import SLAQueue
 from tokenweir.core.policies.sla_score import (FAIRNESS_SHORTFALL, SLAConfig, ScoreParts, due_time,
-                                               priority_class, score_parts, sigmoid, static_key)
+                                               priority_class, score_parts, sigmoid, static_key, urgency)
 from tokenweir.core.queues import RequestQueue
 from tokenweir.request import Request
 
@@ -121,10 +121,8 @@ class SLAPolicy(SchedulingPolicy):
 
     def score(self, request: Request, now: float) -> float:
         cfg = self.config
-        due = due_time(request)
-        urgency = 0.0 if due == math.inf else sigmoid((now - due) / cfg.time_window)
         return (static_key(request, cfg) + cfg.aging_rate * now
-                + cfg.urgency_weight * self.load_adjustment * urgency
+                + cfg.urgency_weight * self.load_adjustment * urgency(now, due_time(request), cfg.time_window)
                 + self.fairness[priority_class(request.priority, cfg.num_priority_classes)])
 
     def explain(self, request: Request, now: float) -> ScoreParts:
@@ -164,8 +162,9 @@ class SLAPolicy(SchedulingPolicy):
 
         While a waiting request is being admitted (it was just popped) the exact scores are
         skipped when a lower bound already shows that it can preempt nobody: a running request
-        scores at least its static key plus its class's compensation plus, while decoding,
-        urgency * sigmoid(-tpot_slo / window) (its due time is at most tpot_slo away). The
+        scores at least its static key plus its class's compensation plus, while decoding on
+        time (its last token at most tpot_slo ago, no earlier deadline), the urgency at
+        tpot_slo from the due time, 2 * sigmoid(-tpot_slo / window). The
         request returned then is the one with the lowest bound, which may_preempt refuses as it
         would refuse every other. At 256 running this keeps the policy's cost per step low."""
         admitting = self._admitting
@@ -189,7 +188,7 @@ class SLAPolicy(SchedulingPolicy):
         if static is None or static[0] is not r:
             cfg = self.config
             tpot = r.hints.tpot_slo
-            floor = sigmoid(-tpot / cfg.time_window) if tpot is not None else 0.0
+            floor = 2.0 * sigmoid(-tpot / cfg.time_window) if tpot is not None else 0.0
             static = self._statics[r.request_id] = (
                 r, static_key(r, cfg), priority_class(r.priority, cfg.num_priority_classes), floor)
         return static
@@ -202,14 +201,18 @@ class SLAPolicy(SchedulingPolicy):
         scale, fairness, static_of = cfg.urgency_weight * self.load_adjustment, self.fairness, self._static
         k = cfg.max_preemptions
         lowest, victim = math.inf, running[0]
-        horizon = self._now - cfg.max_wait
+        now = self._now
+        horizon = now - cfg.max_wait
         for r in running:
             if r.num_preemptions >= k or r.arrival_time <= horizon:
                 continue  # may_preempt refuses these
             _, key, cls, floor = static_of(r)
             bound = key + fairness[cls]
-            if r.first_token_time is not None:
-                bound += scale * floor
+            if floor and r.first_token_time is not None:
+                h = r.hints
+                due = r.last_token_time + h.tpot_slo
+                if due >= now and (h.deadline is None or r.arrival_time + h.deadline >= due):
+                    bound += scale * floor  # |now - due| <= tpot_slo
             if bound < lowest:
                 lowest, victim = bound, r
         return victim, lowest + cfg.aging_rate * self._now
@@ -234,7 +237,7 @@ class SLAPolicy(SchedulingPolicy):
                 due = min(due, r.last_token_time + h.tpot_slo)
             score = key + common + fairness[cls]
             if due != math.inf:
-                score += scale * sigmoid((now - due) / window)
+                score += scale * 2.0 * sigmoid(-abs(now - due) / window)
             scores[rid] = score
 
     def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:

@@ -2,11 +2,11 @@
 
 A score (sla_score.py) is `static_key + aging_rate * now + A * urgency + class terms`, where the
 static key does not change while a request waits, A = urgency_weight * load_adjustment is the
-same for every request at one time, and urgency is a decreasing function of the request's due
-time (also fixed while it waits). So within one class the best request is found with Fagin's
-threshold algorithm over two heaps, by static key and by due time: walk both in order, score
-what is seen exactly, stop once nothing unseen can beat the best (its key is at most the last
-key seen and its due time at least the last due time seen). Requests of one kind (alike SLOs
+same for every request at one time, and urgency depends on the request's due time (fixed while
+it waits): it grows as the due time nears and fades after it. So within one class the best
+request is found with Fagin's threshold algorithm over three heaps, by static key, by due time
+(not yet due, earliest first) and by due time (past, latest first): walk them in order, score
+what is seen exactly, stop once nothing unseen can beat the best. Requests of one kind (alike SLOs
 and priorities) arrive in both orders alike, so the walk stops after a few entries; the cost
 is then one heap pass per class per pop, not one score per waiting request.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tokenweir.core.policies.fair_share import Tenant, VirtualTokenCounters
-from tokenweir.core.policies.sla_score import SLAConfig, due_time, priority_class, sigmoid, static_key
+from tokenweir.core.policies.sla_score import SLAConfig, due_time, priority_class, static_key, urgency
 from tokenweir.core.queues import RequestQueue
 from tokenweir.request import Request
 
@@ -41,18 +41,22 @@ class _Entry:
 
 
 class _ScoredHeaps:
-    """One class's (or one tenant's in a class) waiting requests, best score found by TA."""
+    """One class's (or one tenant's in a class) waiting requests, best score found by TA over
+    three orders: static key (largest first); due time for requests not yet due (earliest
+    first: urgency grows towards the due time); due time for requests past it (latest first:
+    urgency fades after it). Each entry with a due time is in exactly one of the last two."""
 
     def __init__(self) -> None:
-        self.by_key: list[tuple[float, int, _Entry]] = []  # -key: largest key first
-        self.by_due: list[tuple[float, int, _Entry]] = []  # only entries with a due time
+        self.by_key: list[tuple[float, int, _Entry]] = []  # (-key, ...)
+        self.pending: list[tuple[float, int, _Entry]] = []  # (due, ...), due > now when last moved
+        self.late: list[tuple[float, int, _Entry]] = []  # (-due, ...)
         self.live = 0
         self._dead = 0
 
     def add(self, entry: _Entry) -> None:
         heapq.heappush(self.by_key, (-entry.key, entry.seq, entry))
         if entry.due != math.inf:
-            heapq.heappush(self.by_due, (entry.due, entry.seq, entry))
+            heapq.heappush(self.pending, (entry.due, entry.seq, entry))
         self.live += 1
 
     def kill(self, entry: _Entry) -> None:
@@ -60,11 +64,18 @@ class _ScoredHeaps:
         self.live -= 1
         self._dead += 1
         if self._dead > self.live + 64:  # drop dead entries now and then
-            self.by_key = [e for e in self.by_key if e[2].alive]
-            self.by_due = [e for e in self.by_due if e[2].alive]
-            heapq.heapify(self.by_key)
-            heapq.heapify(self.by_due)
+            for name in ("by_key", "pending", "late"):
+                heap = [e for e in getattr(self, name) if e[2].alive]
+                heapq.heapify(heap)
+                setattr(self, name, heap)
             self._dead = 0
+
+    def _advance(self, now: float) -> None:
+        pending = self.pending
+        while pending and pending[0][0] <= now:
+            due, seq, entry = heapq.heappop(pending)
+            if entry.alive:
+                heapq.heappush(self.late, (-due, seq, entry))
 
     @staticmethod
     def _pop_alive(heap: list[tuple[float, int, _Entry]], taken: list[tuple[float, int, _Entry]]) -> Optional[tuple[float, int, _Entry]]:
@@ -77,32 +88,38 @@ class _ScoredHeaps:
 
     def best(self, now: float, scale: float, window: float) -> tuple[float, _Entry]:
         """(score without the terms common to the class, entry) of the best live entry:
-        key + scale * sigmoid((now - due) / window)."""
-        taken_key: list[tuple[float, int, _Entry]] = []
-        taken_due: list[tuple[float, int, _Entry]] = []
+        key + scale * urgency(now, due)."""
+        self._advance(now)
+        taken: tuple[list, list, list] = ([], [], [])
+        heaps = (self.by_key, self.pending, self.late)
         best_score, best_entry = -math.inf, None
         try:
             while True:
-                k_item = self._pop_alive(self.by_key, taken_key)
+                k_item = self._pop_alive(self.by_key, taken[0])
                 if k_item is None:
                     break
-                d_item = self._pop_alive(self.by_due, taken_due) if scale else None
-                for item in (k_item, d_item):
+                p_item = self._pop_alive(self.pending, taken[1]) if scale else None
+                l_item = self._pop_alive(self.late, taken[2]) if scale else None
+                for item in (k_item, p_item, l_item):
                     if item is not None:
                         e = item[2]
-                        s = e.key if e.due == math.inf else e.key + scale * sigmoid((now - e.due) / window)
+                        s = e.key + scale * urgency(now, e.due, window)
                         if s > best_score or (s == best_score and e.seq < best_entry.seq):
                             best_score, best_entry = s, e
-                # Nothing unseen has a larger key, nor (if it has a due time) an earlier one.
-                last_due = d_item[0] if d_item is not None else math.inf
-                urgency_bound = sigmoid((now - last_due) / window) * scale if last_due != math.inf else 0.0
-                if best_score >= -k_item[0] + urgency_bound:
+                # Nothing unseen has a larger key; an unseen pending entry is due no sooner
+                # than the last pending one seen, an unseen late one no later than the last
+                # late one seen: its urgency is at most theirs.
+                bound = 0.0
+                if p_item is not None:
+                    bound = urgency(now, p_item[0], window)
+                if l_item is not None:
+                    bound = max(bound, urgency(now, -l_item[0], window))
+                if best_score >= -k_item[0] + scale * bound:
                     break
         finally:
-            for item in taken_key:
-                heapq.heappush(self.by_key, item)
-            for item in taken_due:
-                heapq.heappush(self.by_due, item)
+            for heap, items in zip(heaps, taken):
+                for item in items:
+                    heapq.heappush(heap, item)
         assert best_entry is not None
         return best_score, best_entry
 

@@ -8,10 +8,13 @@ Higher scores are served first and preempted last:
           + fairness compensation of the request's priority class
           + aging_rate * (now - arrival)
 
-- urgency = sigmoid((now - due) / time_window), due the earliest of: the deadline; arrival +
-  ttft_slo before the first token; the last token + tpot_slo while decoding. 0.5 at the due
-  time, towards 1 once late, towards 0 with slack to spare; 0 without any SLO. (The seed's
-  formula, sigmoid(time_left / window), grows with the time left: the sign is fixed here.)
+- urgency = 2 * sigmoid(-|now - due| / time_window), due the earliest of: the deadline;
+  arrival + ttft_slo before the first token; the last token + tpot_slo while decoding. 1 at the
+  due time, 0.54 one window before (or after), towards 0 with slack to spare; 0 without any
+  SLO. It fades again once the due time has passed: a request that has missed its SLO gains
+  nothing from going first, and under overload every waiting request is late, so an urgency
+  that stayed high (the seed's sigmoid, which also had its sign reversed) would put the
+  hopeless ahead of those that can still make it. Aging and max_wait still bound its wait.
 - load_adjustment = max(0, 1 + (load - load_threshold) * load_sensitivity), load the share of
   unfinished requests that wait (the queue depth the policy sees), so urgency weighs more when
   a queue builds.
@@ -47,20 +50,23 @@ _SIGMOID_CLAMP = 60.0
 @dataclass(frozen=True)
 class SLAConfig(PolicyConfig):
     base_weight: float = 1.0  # score per priority level
-    urgency_weight: float = 2.0  # score of a request at its due time is urgency_weight * 0.5
-    time_window: float = 1.0  # seconds: the sigmoid's scale (slack of one window: urgency 0.27)
+    urgency_weight: float = 2.0  # the urgency term at the due time (load adjustment 1)
+    time_window: float = 1.0  # seconds: the sigmoid's scale (one window from due: urgency 0.54)
     resource_weight: float = 0.1
     resource_scale: float = 10.0  # log(tokens) is divided by it (log(4096) / 10 = 0.83)
     load_threshold: float = 0.5  # load (share of unfinished requests waiting) of adjustment 1
     load_sensitivity: float = 1.0
     fairness_factor: float = 1.0
     fairness_window: float = 30.0  # seconds over which class shares decay
-    aging_rate: float = 0.02  # score per second waited (one priority level per 50 s)
-    max_wait: float = 120.0  # seconds: after this a request is served before all younger ones
-    # A waiting request preempts only a victim scored this much lower: above the urgency swing
-    # between two requests of one kind (one late, one on time: urgency_weight * (1 - 0.5) *
-    # load adjustment, up to 1.5), below that plus one priority level, so a late request
-    # displaces a less important one, not one of its own kind.
+    # Score per second waited (one priority level per 1000 s): a tie-breaker among equals. A
+    # strong rate lets a backlog of old low-priority requests outrank every new important one
+    # under sustained overload; the wait bound is max_wait's job.
+    aging_rate: float = 0.001
+    max_wait: float = 600.0  # seconds: after this a request is served before all younger ones
+    # A waiting request preempts only a victim scored this much lower: about the urgency swing
+    # between two requests of one kind, one at its due time and one on time (urgency_weight *
+    # (1 - 0.5) * load adjustment up to 1.5), so that a late request displaces a less important
+    # one, rarely one of its own kind.
     preempt_margin: float = 1.5
     max_preemptions: int = 2  # k: a request preempted k times is not preempted for another
     drop_expired: bool = False  # finish requests whose deadline has passed (overload shedding)
@@ -94,6 +100,13 @@ class SLAConfig(PolicyConfig):
 def priority_class(priority: int, num_classes: int) -> int:
     """The bounded class of a priority: <= 0 is class 0, >= n-1 the last."""
     return 0 if priority <= 0 else min(priority, num_classes - 1)
+
+
+def urgency(now: float, due: float, window: float) -> float:
+    """2 * sigmoid(-|now - due| / window): 1 at the due time; 0 without one (due = inf)."""
+    if due == math.inf:
+        return 0.0
+    return 2.0 * sigmoid(-abs(now - due) / window)
 
 
 def sigmoid(x: float) -> float:
@@ -131,7 +144,7 @@ class ScoreParts:
     """One request's score, term by term (what debug logs and get_stats() show)."""
 
     base: float  # -priority * base_weight
-    urgency: float  # the sigmoid, 0..1
+    urgency: float  # 0..1, 1 at the due time
     load_adjustment: float
     urgency_term: float  # urgency * load_adjustment * urgency_weight
     resource: float  # log(prompt + max_tokens) / resource_scale
@@ -149,15 +162,14 @@ class ScoreParts:
 def score_parts(request: Request, now: float, cfg: SLAConfig, load_adjustment: float,
                 fairness: float) -> ScoreParts:
     base = -cfg.base_weight * request.priority
-    due = due_time(request)
-    urgency = 0.0 if due == math.inf else sigmoid((now - due) / cfg.time_window)
-    urgency_term = urgency * load_adjustment * cfg.urgency_weight
+    urgency_value = urgency(now, due_time(request), cfg.time_window)
+    urgency_term = urgency_value * load_adjustment * cfg.urgency_weight
     max_tokens = request.sampling_params.max_tokens or 0
     resource = math.log(request.num_prompt_tokens + max_tokens) / cfg.resource_scale
     resource_term = -cfg.resource_weight * resource
     wait = now - request.arrival_time
     aging = cfg.aging_rate * wait
     total = base + urgency_term + resource_term + fairness + aging
-    return ScoreParts(base, urgency, load_adjustment, urgency_term, resource, resource_term, fairness,
+    return ScoreParts(base, urgency_value, load_adjustment, urgency_term, resource, resource_term, fairness,
                       aging, total, priority_class(request.priority, cfg.num_priority_classes),
                       wait >= cfg.max_wait)
