@@ -79,16 +79,16 @@ def test_priority_classes_are_bounded():
 
 _hint = st.fixed_dictionaries({
     "priority": st.integers(-2, 5),
-    "ttft_slo": st.none() | st.floats(0.1, 20.0),
-    "deadline": st.none() | st.floats(0.1, 30.0),
+    "ttft_slo": st.none() | st.floats(0.1, 20.0, allow_subnormal=False),
+    "deadline": st.none() | st.floats(0.1, 30.0, allow_subnormal=False),
     "tenant": st.sampled_from([None, "a", "b"]),
 })
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(requests=st.lists(st.tuples(_hint, st.floats(0.0, 10.0), st.integers(1, 60), st.integers(1, 60)),
+@given(requests=st.lists(st.tuples(_hint, st.floats(0.0, 10.0, allow_subnormal=False), st.integers(1, 60), st.integers(1, 60)),
                          min_size=1, max_size=40),
-       now=st.floats(0.0, 40.0), tenant_fairness=st.booleans(), max_wait=st.sampled_from([5.0, 1000.0]))
+       now=st.floats(0.0, 40.0, allow_subnormal=False), tenant_fairness=st.booleans(), max_wait=st.sampled_from([5.0, 1000.0]))
 def test_the_queue_pops_in_score_order_like_a_full_rescore(requests, now, tenant_fairness, max_wait):
     """The threshold-algorithm queue against brute force: each pop is the best-scored request
     left (aged requests first, oldest first); with tenant fairness, the best of the chosen
