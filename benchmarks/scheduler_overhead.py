@@ -21,38 +21,81 @@ from pathlib import Path
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.block_hash import BlockHasher
+from tokenweir.core.policies import SLAConfig
 from tokenweir.core.scheduler import Scheduler
-from tokenweir.request import Request, SamplingParams
+from tokenweir.request import Request, SamplingParams, SchedulingHints
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
 
-def build(num_running: int, num_waiting: int, prompt_len: int = 128) -> Scheduler:
+# Step length of the virtual clock (the policies' scores move with time, so it must advance).
+STEP_S = 0.02
+
+
+def mixed_hints(i: int) -> SchedulingHints:
+    """The SLO mix of the policy cases: 30% interactive (priority 0, tight SLOs), 70% batch
+    (priority 1, loose), 8 tenants, deadlines on a tenth of the requests."""
+    interactive = i % 10 < 3
+    return SchedulingHints(priority=0 if interactive else 1, tenant=f"tenant-{i % 8}",
+                           ttft_slo=1.0 if interactive else 30.0, tpot_slo=0.1 if interactive else 1.0,
+                           deadline=600.0 if i % 10 == 9 else None)
+
+
+def build(num_running: int, num_waiting: int, prompt_len: int = 128, policy: str = "fcfs",
+          policy_config=None) -> Scheduler:
     block_size = 16
     blocks_per_req = (prompt_len + 4096) // block_size + 1  # room to decode for a long time
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=max(2048, num_running), max_num_seqs=num_running),
+        SchedulerConfig(max_num_batched_tokens=max(2048, num_running), max_num_seqs=num_running,
+                        policy=policy, policy_config=policy_config),
         CacheConfig(block_size=block_size, num_blocks=num_running * blocks_per_req))
     params = SamplingParams(max_tokens=None, ignore_eos=True)
     for i in range(num_running + num_waiting):
         prompt = [(i * 7 + j) % 50000 for j in range(prompt_len)]
-        sched.add_request(Request(f"req-{i}", prompt, params, arrival_time=float(i), eos_token_id=2))
+        hints = mixed_hints(i) if policy != "fcfs" else SchedulingHints()
+        # Arrivals 1 ms apart, all before the clock starts: the queue is one burst deep.
+        sched.add_request(Request(f"req-{i}", prompt, params, arrival_time=i * 1e-3, eos_token_id=2,
+                                  hints=hints))
     # Prefill everything that can run, until all running requests decode one token per step.
+    now = (num_running + num_waiting) * 1e-3
     while True:
-        out = sched.schedule()
-        sched.update_from_output(out, {rid: [5] for rid in out.num_scheduled_tokens})
+        out = sched.schedule(now)
+        sched.update_from_output(out, {rid: [5] for rid in out.num_scheduled_tokens}, now)
+        now += STEP_S
         if len(out.num_scheduled_tokens) == num_running and out.total_num_scheduled_tokens == num_running:
+            sched.bench_now = now  # type: ignore[attr-defined]
             return sched
 
 
 def run_steps(sched: Scheduler, steps: int) -> None:
+    now = sched.bench_now  # type: ignore[attr-defined]
     for _ in range(steps):
-        out = sched.schedule()
-        sched.update_from_output(out, {rid: [7] for rid in out.num_scheduled_tokens})
+        out = sched.schedule(now)
+        sched.update_from_output(out, {rid: [7] for rid in out.num_scheduled_tokens}, now)
+        now += STEP_S
+    sched.bench_now = now  # type: ignore[attr-defined]
 
 
-def measure(num_running: int, num_waiting: int, steps: int) -> dict:
-    sched = build(num_running, num_waiting)
+def policy_config_label(config) -> str:
+    return ", ".join(f"{k}={v}" for k, v in vars(config).items() if v != getattr(type(config)(), k))
+
+
+def settle(sched: Scheduler, max_steps: int = 5000) -> None:
+    """Run until a step admits and preempts nothing (the policy cases start with interactive
+    requests preempting batch ones until those are protected or gone)."""
+    for _ in range(max_steps):
+        before = sched.num_preemptions
+        now = sched.bench_now  # type: ignore[attr-defined]
+        out = sched.schedule(now)
+        sched.update_from_output(out, {rid: [7] for rid in out.num_scheduled_tokens}, now)
+        sched.bench_now = now + STEP_S  # type: ignore[attr-defined]
+        if not out.scheduled_new_reqs and sched.num_preemptions == before:
+            return
+
+
+def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs", policy_config=None) -> dict:
+    sched = build(num_running, num_waiting, policy=policy, policy_config=policy_config)
+    settle(sched)
     run_steps(sched, 50)  # warm up
     start = time.process_time()
     run_steps(sched, steps)
@@ -65,7 +108,8 @@ def measure(num_running: int, num_waiting: int, steps: int) -> dict:
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(8)
     top = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
     top = top[top.index("ncalls"):] if "ncalls" in top else top
-    return {"num_running": num_running, "num_waiting": num_waiting, "steps": steps,
+    return {"policy": policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})",
+            "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
             "cpu_ms_per_step": round(per_step_ms, 4),
             "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3), "profile_top": top}
 
@@ -93,6 +137,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     args = parser.parse_args()
     results = [measure(256, 10_000, args.steps), measure(1024, 0, args.steps // 2)]
+    results += [measure(256, 10_000, args.steps, "sla"),
+                measure(256, 10_000, args.steps, "sla", SLAConfig(tenant_fairness=True)),
+                measure(256, 10_000, args.steps, "vtc")]
     hashing = measure_hashing()
     machine = f"{platform.processor() or platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
     OUT.mkdir(parents=True, exist_ok=True)
@@ -102,10 +149,15 @@ def main() -> None:
              "decode, no model; every running request decodes one token per step.", "",
              f"Command: `.venv/bin/python benchmarks/scheduler_overhead.py --steps {args.steps}`  ",
              f"Machine: {machine}, 2 shared cores (noisy, +-15%).", "",
-             "| running | waiting | CPU ms / step | us / running request |", "|---|---|---|---|"]
+             "| policy | running | waiting | CPU ms / step | us / running request |", "|---|---|---|---|---|"]
     for r in results:
-        lines.append(f"| {r['num_running']} | {r['num_waiting']} | {r['cpu_ms_per_step']} | {r['us_per_running_request']} |")
-    lines += ["", "Target: <= 1 ms per step at 256 running + 10k waiting.", "",
+        lines.append(f"| {r['policy']} | {r['num_running']} | {r['num_waiting']} | {r['cpu_ms_per_step']} "
+                     f"| {r['us_per_running_request']} |")
+    lines += ["", "Target: <= 1 ms per step at 256 running + 10k waiting, for every policy. The policy "
+              "cases (`sla`, `vtc`) give every request SchedulingHints: 30% interactive (priority 0, "
+              "TTFT 1 s, TPOT 100 ms), 70% batch (priority 1, TTFT 30 s, TPOT 1 s), 8 tenants, a "
+              "deadline on every tenth; the virtual clock advances 20 ms per step, and measuring "
+              "starts once interactive requests have stopped preempting batch ones.", "",
               f"Prefix-cache block keys ({hashing['block_size']}-token blocks, {hashing['blocks']:,} "
               f"chained): keyed BLAKE2b {hashing['blake2b_us_per_block']} us "
               f"per block vs {hashing['tuple_hash_us_per_block']} us for the 64-bit tuple hash it "
@@ -120,11 +172,13 @@ def main() -> None:
               "the `SchedulerOutput` records the rest. Per-request cost grows at 1,024 running "
               "(cache misses on the larger working set).", ""]
     for r in results:
-        lines += [f"## Profile: {r['num_running']} running, {r['num_waiting']} waiting (top by own time)",
+        lines += [f"## Profile: {r['policy']}, {r['num_running']} running, {r['num_waiting']} waiting "
+                  "(top by own time)",
                   "", "```", r["profile_top"], "```", ""]
     (OUT / "scheduler.md").write_text("\n".join(lines))
     for r in results:
-        print(f"{r['num_running']} running + {r['num_waiting']} waiting: {r['cpu_ms_per_step']} ms/step")
+        print(f"{r['policy']}: {r['num_running']} running + {r['num_waiting']} waiting: "
+              f"{r['cpu_ms_per_step']} ms/step")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
 from tokenweir.checks import is_finite_number, is_integer
-from tokenweir.core.policies import POLICIES, PolicyConfig
+from tokenweir.core.policies import POLICIES, PolicyConfig, SLAConfig, VTCConfig, parse_tenant_weights
 
 PREEMPTION_MODES = ("recompute",)  # swap arrives with its own issue; SchedulerOutput has the seam
 
@@ -141,6 +141,16 @@ class CacheConfig:
         return int(self.watermark * self.num_blocks)
 
 
+_SLA = SLAConfig()  # the defaults of the policy knobs below
+_VTC = VTCConfig()
+
+
+def _sla_field(name: str, help_text: str) -> object:
+    """An engine arg `sla_<name>` with SLAConfig's default (one place for each default)."""
+    default = getattr(_SLA, name)
+    return field(default=default, metadata={"help": f"{help_text} (default {default})"})
+
+
 @dataclass
 class EngineArgs:
     """All engine knobs, named as in vLLM (`--max-num-batched-tokens` on the CLI)."""
@@ -165,7 +175,44 @@ class EngineArgs:
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     long_prefill_token_threshold: int = field(default=0, metadata={
         "help": "cap on one prefill chunk's tokens per step (0 = off)"})
-    scheduling_policy: str = field(default="fcfs", metadata={"help": "fcfs | priority"})
+    scheduling_policy: str = field(default="fcfs", metadata={
+        "help": "fcfs | priority | sla (adaptive score) | vtc (per-tenant fair share)"})
+    # --- sla: score = -priority*base + urgency*load_adj*urgency_w - resource*resource_w + fairness + aging
+    sla_base_weight: float = _sla_field("base_weight", "sla: score per priority level (smaller priority first)")
+    sla_urgency_weight: float = _sla_field(
+        "urgency_weight", "sla: weight of urgency, a sigmoid of (now - due time) / sla_time_window")
+    sla_time_window: float = _sla_field("time_window", "sla: seconds, the urgency sigmoid's scale")
+    sla_resource_weight: float = _sla_field(
+        "resource_weight", "sla: weight of log(prompt + max_tokens) / sla_resource_scale, subtracted (short first)")
+    sla_resource_scale: float = _sla_field("resource_scale", "sla: divides the log of the request's tokens")
+    sla_load_threshold: float = _sla_field(
+        "load_threshold", "sla: load (share of unfinished requests waiting) at which urgency weighs x1")
+    sla_load_sensitivity: float = _sla_field(
+        "load_sensitivity", "sla: urgency's load adjustment is 1 + (load - threshold) * sensitivity")
+    sla_fairness_factor: float = _sla_field(
+        "fairness_factor", "sla: boost per share point a priority class is served below 0.8x its demand share")
+    sla_fairness_window: float = _sla_field("fairness_window", "sla: seconds over which class shares decay")
+    sla_aging_rate: float = _sla_field("aging_rate", "sla: score per second waited")
+    sla_max_wait: float = _sla_field(
+        "max_wait", "sla: seconds after which a waiting request goes before every younger one (wait bound)")
+    sla_preempt_margin: float = _sla_field(
+        "preempt_margin", "sla: a waiting request preempts only a running one scored this much lower (hysteresis)")
+    sla_max_preemptions: int = _sla_field(
+        "max_preemptions", "sla: a request preempted this many times is not preempted again for another")
+    sla_drop_expired: bool = _sla_field(
+        "drop_expired", "sla: finish requests whose deadline_ms has passed (error 504 deadline_exceeded)")
+    sla_tenant_fairness: bool = _sla_field(
+        "tenant_fairness", "sla: within a priority class, serve tenants by virtual token counters (VTC)")
+    num_priority_classes: int = field(default=_SLA.num_priority_classes, metadata={
+        "help": "priority classes (priority clamped to [0, n-1]) for sla fairness and per-class metrics "
+                f"(default {_SLA.num_priority_classes})"})
+    # --- vtc (alone, or sla's tenant term)
+    vtc_input_weight: float = field(default=_VTC.input_weight, metadata={
+        "help": f"vtc: counter units per prompt token computed (default {_VTC.input_weight})"})
+    vtc_output_weight: float = field(default=_VTC.output_weight, metadata={
+        "help": f"vtc: counter units per generated token (default {_VTC.output_weight})"})
+    vtc_tenant_weights: Optional[str] = field(default=None, metadata={
+        "help": "vtc: tenant shares, 'a=2,b=1' or @file.json ({tenant: weight}); others weigh 1"})
     preemption_mode: str = field(default="recompute", metadata={"help": "recompute"})
     watermark: float = field(default=0.0, metadata={
         "help": "fraction of KV blocks kept free when admitting new requests"})
@@ -231,8 +278,21 @@ class EngineArgs:
         scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                     max_model_len=max_model_len, policy=self.scheduling_policy,
                                     enable_chunked_prefill=self.enable_chunked_prefill,
-                                    long_prefill_token_threshold=self.long_prefill_token_threshold)
+                                    long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                    policy_config=self._policy_config())
         return cache, scheduler
+
+    def _policy_config(self) -> Optional[PolicyConfig]:
+        """The knobs of the chosen policy (None: a policy without knobs takes its defaults)."""
+        if self.scheduling_policy not in ("sla", "vtc"):
+            return None
+        vtc = VTCConfig(input_weight=self.vtc_input_weight, output_weight=self.vtc_output_weight,
+                        tenant_weights=parse_tenant_weights(self.vtc_tenant_weights))
+        if self.scheduling_policy == "vtc":
+            return vtc
+        knobs = {f.name: getattr(self, f"sla_{f.name}") for f in fields(SLAConfig)
+                 if f.name not in ("num_priority_classes", "vtc")}
+        return SLAConfig(**knobs, num_priority_classes=self.num_priority_classes, vtc=vtc)
 
     def kv_cache_bytes(self) -> Optional[int]:
         return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)

@@ -13,8 +13,10 @@ from typing import Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from tokenweir.core.policies import priority_class
 from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine.output import RequestOutput
+from tokenweir.request import SchedulingHints
 
 logger = logging.getLogger("tokenweir")
 
@@ -27,6 +29,10 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort")
+# Tenants get a label each up to this many (first come); later ones share "other", so a client
+# that invents tenant names cannot grow the scrape without bound.
+MAX_TENANT_LABELS = 32
+NO_TENANT, OTHER_TENANTS = "none", "other"
 
 # Without this every counter and histogram also exports a `*_created` timestamp series, which
 # vLLM's dashboards do not use and which doubles the scrape. (A process-wide switch.)
@@ -51,11 +57,79 @@ def iteration_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     return tuple(b for b in _ITERATION_TOKEN_BUCKETS if b <= max_num_batched_tokens) or (1,)
 
 
+class TenantLabels:
+    """A bounded set of tenant label values."""
+
+    def __init__(self, limit: int = MAX_TENANT_LABELS) -> None:
+        self.limit = limit
+        self._known: set[str] = set()
+
+    def __call__(self, tenant: Optional[str]) -> str:
+        if tenant is None:
+            return NO_TENANT
+        if tenant in self._known:
+            return tenant
+        if len(self._known) < self.limit and tenant not in (NO_TENANT, OTHER_TENANTS):
+            self._known.add(tenant)
+            return tenant
+        return OTHER_TENANTS
+
+
+class ClassMetrics:
+    """Per priority class and tenant: SLO attainment (TTFT and TPOT met or missed, for requests
+    that set one), queue time and tokens served. Classes are `priority_class` (bounded), tenants
+    TenantLabels (bounded)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, num_priority_classes: int) -> None:
+        self.model_name = model_name
+        self.num_priority_classes = num_priority_classes
+        self.tenant_label = TenantLabels()
+        labels = ["model_name", "priority_class", "tenant"]
+        self.ttft_slo = Counter(PREFIX + "slo_ttft", "Finished requests with a TTFT SLO, by whether it was met.",
+                                labels + ["outcome"], registry=registry)
+        self.tpot_slo = Counter(PREFIX + "slo_tpot", "Finished requests with a TPOT SLO, by whether it was met.",
+                                labels + ["outcome"], registry=registry)
+        self.queue_time = Histogram(PREFIX + "class_request_queue_time_seconds",
+                                    "Time from arrival to first scheduled, per class and tenant.", labels,
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=registry)
+        self.prompt_tokens = Counter(PREFIX + "class_prompt_tokens", "Prompt tokens served, per class and tenant.",
+                                     labels, registry=registry)
+        self.generation_tokens = Counter(PREFIX + "class_generation_tokens",
+                                         "Generated tokens, per class and tenant.", labels, registry=registry)
+
+    def _labels(self, hints: SchedulingHints) -> tuple[str, str, str]:
+        return (self.model_name, str(priority_class(hints.priority, self.num_priority_classes)),
+                self.tenant_label(hints.tenant))
+
+    def record_first_token(self, output: RequestOutput, hints: SchedulingHints) -> None:
+        self.prompt_tokens.labels(*self._labels(hints)).inc(len(output.prompt_token_ids))
+
+    def record_new_tokens(self, num_tokens: int, hints: SchedulingHints) -> None:
+        self.generation_tokens.labels(*self._labels(hints)).inc(num_tokens)
+
+    def record_finished(self, output: RequestOutput, hints: SchedulingHints) -> None:
+        labels = self._labels(hints)
+        m = output.metrics
+        if m.first_scheduled_time is not None:
+            self.queue_time.labels(*labels).observe(m.first_scheduled_time - m.arrival_time)
+        if hints.ttft_slo is not None:
+            met = m.first_token_time is not None and m.first_token_time - m.arrival_time <= hints.ttft_slo
+            self.ttft_slo.labels(*labels, "met" if met else "missed").inc()
+        num_tokens = len(output.outputs[0].token_ids)
+        if hints.tpot_slo is not None and (num_tokens > 1 or output.outputs[0].finish_reason == "abort"):
+            # An aborted or shed request missed its TPOT whatever its pace; one with a single
+            # token has none (as `bench serve` counts it) and is left out.
+            met = (output.outputs[0].finish_reason != "abort" and m.finished_time is not None
+                   and m.first_token_time is not None
+                   and (m.finished_time - m.first_token_time) / (num_tokens - 1) <= hints.tpot_slo)
+            self.tpot_slo.labels(*labels, "met" if met else "missed").inc()
+
+
 class EngineMetrics:
     """The engine's Prometheus metrics, all labelled with `model_name`."""
 
     def __init__(self, model_name: str, max_num_batched_tokens: int,
-                 registry: Optional[CollectorRegistry] = None) -> None:
+                 registry: Optional[CollectorRegistry] = None, num_priority_classes: int = 4) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         labels = ["model_name"]
@@ -104,6 +178,7 @@ class EngineMetrics:
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens computed per engine step.",
             iteration_token_buckets(max_num_batched_tokens))
+        self.classes = ClassMetrics(self.registry, model_name, num_priority_classes)
         self._growth = CounterGrowth()
 
     def record_scheduler_stats(self, stats: SchedulerStats) -> None:
@@ -122,21 +197,25 @@ class EngineMetrics:
         if num_scheduled_tokens > 0:
             self.iteration_tokens.observe(num_scheduled_tokens)
 
-    def record_first_token(self, output: RequestOutput) -> None:
+    def record_first_token(self, output: RequestOutput, hints: SchedulingHints = SchedulingHints()) -> None:
         m = output.metrics
         self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.classes.record_first_token(output, hints)
         if m.first_token_time is not None:
             self.time_to_first_token.observe(m.first_token_time - m.arrival_time)
 
-    def record_new_tokens(self, num_tokens: int, inter_token_latency: Optional[float]) -> None:
+    def record_new_tokens(self, num_tokens: int, inter_token_latency: Optional[float],
+                          hints: SchedulingHints = SchedulingHints()) -> None:
         self.generation_tokens.inc(num_tokens)
+        self.classes.record_new_tokens(num_tokens, hints)
         if inter_token_latency is not None:
             self.inter_token_latency.observe(inter_token_latency)
 
-    def record_finished(self, output: RequestOutput) -> None:
+    def record_finished(self, output: RequestOutput, hints: SchedulingHints = SchedulingHints()) -> None:
         m = output.metrics
         completion = output.outputs[0]
         self.request_success[completion.finish_reason or "abort"].inc()
+        self.classes.record_finished(output, hints)
         if m.finished_time is None:
             return
         self.e2e_request_latency.observe(m.finished_time - m.arrival_time)

@@ -28,6 +28,7 @@ from tokenweir.bench.datasets import (BenchRequest, PromptBuilder, Tokenizer,
 from tokenweir.bench.serve_metrics import (METRIC_NAMES, SLO_NAMES, RequestRecord,
                                            compute_metrics, metrics_to_dict)
 from tokenweir.bench.serve_report import format_table
+from tokenweir.bench.slo_mix import SLOClass, assign_classes, class_report, format_class_table, parse_slo_mix
 
 # The shared trace sits beside the repository checkout; an installed package has no such
 # sibling, and then --trace-path is required.
@@ -101,6 +102,10 @@ def add_result_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs a request must all meet to count, e.g. ttft:500 tpot:50; "
                              f"metrics: {', '.join(SLO_NAMES)}")
+    parser.add_argument("--slo-mix", nargs="+", default=None, metavar="NAME:FRACTION[:key=value]",
+                        help="request classes, e.g. interactive:0.3:priority=0:ttft=1000:tpot=150 "
+                             "batch:0.7:priority=1:ttft=60000:tpot=2000 (keys: priority, ttft, tpot, "
+                             "deadline in ms, tenant); reports SLO attainment and goodput per class")
     parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
     parser.add_argument("--metric-percentiles", default="50,90,99")
     parser.add_argument("--save-result", action="store_true")
@@ -159,6 +164,12 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer | None) -> Wor
         requests = make_random_requests(n, args.random_input_len, args.random_output_len,
                                         args.random_range_ratio, builder, rng)
     return Workload(requests, make_arrival_times(n, args.request_rate, args.burstiness, rng))
+
+
+def slo_classes_of(args: argparse.Namespace, num: int) -> list[SLOClass]:
+    """The --slo-mix class of each request ([] without a mix)."""
+    classes = parse_slo_mix(args.slo_mix)
+    return assign_classes(num, classes, args.seed) if classes else []
 
 
 async def resolve_model(session: aiohttp.ClientSession, base_url: str,
@@ -250,6 +261,9 @@ async def _benchmark(args: argparse.Namespace) -> dict:
         model = args.model or await resolve_model(session, base_url, headers)
         payloads = [build_payload(args.endpoint, model, r, args.ignore_eos)
                     for r in workload.requests]
+        assigned = slo_classes_of(args, len(payloads))
+        for payload, cls in zip(payloads, assigned):
+            payload.update(cls.payload_fields())
         print(f"Benchmarking {len(payloads)} {args.dataset_name} requests against "
               f"{base_url}{args.endpoint} (model {model})", file=sys.stderr)
         records, duration = await run_requests(session, base_url + args.endpoint, headers,
@@ -259,6 +273,8 @@ async def _benchmark(args: argparse.Namespace) -> dict:
     rate = request_rate_field(args)
     rate_label = rate if isinstance(rate, str) else f"{rate:g}"
     print(format_table(metrics, selected, args.max_concurrency, rate_label))
+    if assigned:
+        print(format_class_table(class_report(records, assigned, duration)))
     result = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
         "base_url": base_url,
@@ -281,6 +297,8 @@ async def _benchmark(args: argparse.Namespace) -> dict:
         "generated_texts": [r.generated_text for r in records],
         "errors": [r.error for r in records],
     }
+    if assigned:
+        result["slo_classes"] = class_report(records, assigned, duration)
     if args.dataset_name == "trace":
         result["trace_path"] = str(args.trace_path)
         result["rate_scale"] = args.rate_scale

@@ -76,6 +76,7 @@ class SchedulerStats:
     kv_cache_usage: float  # 0..1
     num_preemptions: int  # cumulative
     prefix_cache: PrefixCacheStats  # cumulative
+    policy: dict[str, object] = field(default_factory=dict)  # the policy's own state (get_stats)
 
 
 @dataclass
@@ -119,6 +120,9 @@ class Scheduler:
         # A record per scheduled request per step is a noticeable share of a decode step's cost:
         # build them only for a policy that reads them.
         self._policy_wants_feedback = type(self.policy).on_step_served is not SchedulingPolicy.on_step_served
+        # Likewise the search for victims on admission, for a policy that never lets a waiting
+        # request preempt (fcfs, vtc): it would be refused victim after victim.
+        self._policy_preempts = type(self.policy).may_preempt is not SchedulingPolicy.may_preempt
         self.batch_controller = batch_controller or StaticBatchController(
             StepLimits(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs))
         self.waiting = self.policy.make_waiting_queue()
@@ -210,7 +214,8 @@ class Scheduler:
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               num_swapped=0, kv_cache_usage=kv.get_usage(),
                               num_preemptions=self.num_preemptions,
-                              prefix_cache=PrefixCacheStats(**vars(kv.prefix_cache_stats)))
+                              prefix_cache=PrefixCacheStats(**vars(kv.prefix_cache_stats)),
+                              policy=self.policy.get_stats())
 
     # ------------------------------------------------------------------ one step
 
@@ -221,6 +226,9 @@ class Scheduler:
         limits = self._get_limits(now)
         step = _StepState(limits=limits, budget=limits.max_num_batched_tokens)
         self.policy.begin_step(now, self.waiting, self.running)
+        for request, reason in self.policy.take_expired(now):  # overload shedding (sla)
+            request.status_message = reason
+            self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED, now)
 
         # 1. Running requests keep their place; each continues its prefill or decodes a token.
         for request in list(self.running):
@@ -302,6 +310,8 @@ class Scheduler:
                 return []
             if kv.can_allocate(request, num_new, computed, num_hit):
                 return None  # only the reserve is short
+        if not self._policy_preempts:
+            return None
         victims: list[Request] = []
         candidates = list(self.running)
         while candidates:

@@ -29,7 +29,7 @@ from tokenweir.config import EngineArgs
 from tokenweir.core.cost_model import step_composition
 from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine import serving_threads
-from tokenweir.engine.client import EngineDeadError, ModelInfo, RequestFailedError
+from tokenweir.engine.client import DeadlineExceededError, EngineDeadError, ModelInfo, RequestFailedError
 from tokenweir.engine.core import EngineCore
 from tokenweir.engine.output import RequestOutput
 from tokenweir.engine.step_trace import StepTrace
@@ -145,6 +145,7 @@ class _Shutdown:
 class _Progress:
     """Engine-thread bookkeeping of what a request has produced, for the token metrics."""
 
+    hints: SchedulingHints = SchedulingHints()  # for the per-class / per-tenant metrics
     num_tokens: int = 0
     last_output_time: float = 0.0
 
@@ -171,7 +172,8 @@ class AsyncLLMEngine:
         # its own keeps the engine thread off the server's Rust tokenizer, whose mutating calls
         # (padding and truncation settings) fail when another thread holds it.
         self.tokenizer = copy.deepcopy(core.tokenizer)
-        self.metrics = EngineMetrics(core.served_model_name, core.scheduler_config.max_num_batched_tokens)
+        self.metrics = EngineMetrics(core.served_model_name, core.scheduler_config.max_num_batched_tokens,
+                                     num_priority_classes=core.args.num_priority_classes)
         log_stats = not core.args.disable_log_stats if log_stats is None else log_stats
         self._stats_logger = StatsLogger(stats_interval_s, self._clock()) if log_stats else None
         self._idle_wait_s = stats_interval_s if log_stats else None
@@ -377,7 +379,7 @@ class AsyncLLMEngine:
                 e = RequestFailedError(f"adding the request failed: {e!r}")
             return e
         self._side.streams[rid] = command.stream
-        self._side.progress[rid] = _Progress()
+        self._side.progress[rid] = _Progress(command.hints)
         return None
 
     def _abort(self, request_id: str) -> None:
@@ -402,7 +404,10 @@ class AsyncLLMEngine:
         self.metrics.record_iteration(result.scheduler_output.total_num_scheduled_tokens)
         now = self._clock()
         for output in result.outputs:
-            self._deliver(output, now)
+            if output.request_id in result.expired:
+                self._expire(output, result.expired[output.request_id])
+            else:
+                self._deliver(output, now)
         for rid, error in result.failed.items():
             logger.error("request %s failed in the engine: %r", rid, error)
             failed = RequestFailedError(f"the engine failed this request: {error!r}")
@@ -423,16 +428,24 @@ class AsyncLLMEngine:
         if num_new > 0:
             first = progress.num_tokens == 0
             if first:
-                self.metrics.record_first_token(output)
-            self.metrics.record_new_tokens(num_new, None if first else now - progress.last_output_time)
+                self.metrics.record_first_token(output, progress.hints)
+            self.metrics.record_new_tokens(num_new, None if first else now - progress.last_output_time,
+                                           progress.hints)
             if self._stats_logger is not None:
                 self._stats_logger.add_tokens(len(output.prompt_token_ids) if first else 0, num_new)
             progress.num_tokens, progress.last_output_time = num_tokens, now
         if output.finished:
-            self.metrics.record_finished(output)
+            self.metrics.record_finished(output, progress.hints)
             del side.streams[rid], side.progress[rid]
         if num_new > 0 or output.finished:
             stream.put_output(output)
+
+    def _expire(self, output: RequestOutput, message: str) -> None:
+        """A request the scheduler gave up on (its deadline passed): counted as finished
+        (aborted), and its stream ends with the error that says why."""
+        if output.request_id in self._side.streams:
+            self.metrics.record_finished(output, self._side.progress[output.request_id].hints)
+        self._fail_stream(output.request_id, DeadlineExceededError(message))
 
     def _fail_stream(self, request_id: str, error: BaseException) -> None:
         """End a request's stream with an error (the engine has already dropped the request)."""

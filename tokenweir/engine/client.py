@@ -24,6 +24,11 @@ class RequestFailedError(RuntimeError):
     """Processing this request failed inside the engine (not the caller's input)."""
 
 
+class DeadlineExceededError(RequestFailedError):
+    """The engine gave up on the request: its deadline passed (overload shedding, sla's
+    drop_expired). The message says when."""
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What a client may learn about the served model (never a local path)."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 import torch
@@ -57,6 +57,9 @@ class StepResult:
     # left out of `outputs`; the caller reports the errors.
     failed: dict[str, BaseException]
     scheduler_output: SchedulerOutput  # what the step scheduled (its iteration stats)
+    # Requests the scheduler's policy gave up on while scheduling (deadline passed), with why:
+    # finished (aborted, blocks freed), their final outputs are in `outputs`.
+    expired: dict[str, str] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -202,6 +205,7 @@ class EngineCore:
         request's output processing fails that request only.
         """
         failed: dict[str, BaseException] = {}
+        expired = self._take_expired(scheduled)
         try:
             runner_output = self.runner.execute_model(scheduled)
             now = self.clock()
@@ -213,7 +217,8 @@ class EngineCore:
                 self.scheduler.finish_requests(
                     [rid for rid, s in processed.finished.items() if s == status], status, now)
             failed = self._fail(processed.failed)
-            result = StepResult([], failed, scheduled)
+            result = StepResult([], failed, scheduled, {rid: message for rid, (message, _) in expired.items()})
+            result.outputs.extend(output for _, output in expired.values())
             finished = []
             for update in updates:
                 state = self.states.get(update.request.request_id)
@@ -230,10 +235,25 @@ class EngineCore:
             logger.exception("engine step failed; failing its %d requests", len(scheduled.num_scheduled_tokens))
             result = self.fail_step(scheduled, e)
             result.failed = {**failed, **result.failed}  # requests failed before the raise, too
+            result.expired = {rid: message for rid, (message, _) in expired.items()}
+            result.outputs.extend(output for _, output in expired.values())
             self._release_if_idle()
             if not isinstance(e, Exception):
                 raise  # KeyboardInterrupt and the like: undone, but not swallowed
             return result
+
+    def _take_expired(self, scheduled: SchedulerOutput) -> dict[str, tuple[str, RequestOutput]]:
+        """The requests the scheduler finished while scheduling this step (a policy shedding
+        expired ones): finished ids whose output state the engine still holds. Their final
+        outputs, and why, and their state dropped."""
+        expired = {}
+        for rid in scheduled.finished_req_ids:
+            state = self.states.get(rid)
+            if state is not None and state.request.is_finished:
+                del self.states[rid]
+                expired[rid] = (state.request.status_message or "finished by the scheduler",
+                                self.output_processor.make_output(state))
+        return expired
 
     def fail_step(self, scheduled: SchedulerOutput, error: BaseException) -> StepResult:
         """Fail every request `scheduled` holds: a step that raised, or one its caller could not

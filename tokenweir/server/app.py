@@ -18,7 +18,7 @@ import tokenweir
 from tokenweir.config import EngineArgs
 from tokenweir.engine.client import EngineDeadError
 from tokenweir.engine.client import EngineClient
-from tokenweir.server.auth import APIKeyMiddleware, guarded_paths
+from tokenweir.server.auth import APIKeyMiddleware, guarded_paths, load_api_keys
 from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from tokenweir.server.errors import engine_error, install_error_handlers
 from tokenweir.server.openapi import (CHAT_RESPONSES, COMPLETION_RESPONSES, METRICS_RESPONSES, build_openapi,
@@ -29,10 +29,11 @@ from tokenweir.server.serving import OpenAIServing
 
 def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waiting_requests: Optional[int] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              metrics_require_api_key: bool = True) -> FastAPI:
+              metrics_require_api_key: bool = True, api_keys: Optional[dict[str, str]] = None) -> FastAPI:
     """The FastAPI app around a running engine. The app does not own the engine: whoever made
-    it shuts it down. With `api_key`, /v1/* (and /metrics unless `metrics_require_api_key` is
-    off) need `Authorization: Bearer KEY`."""
+    it shuts it down. With `api_key` or `api_keys` (key -> tenant), /v1/* (and /metrics unless
+    `metrics_require_api_key` is off) need `Authorization: Bearer KEY`; a key from `api_keys`
+    sets the request's tenant."""
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
     serving = OpenAIServing(client, max_waiting_requests)
@@ -79,23 +80,26 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
 
     # The last added runs first: the key is checked before a byte of the body is read.
     app.add_middleware(BodySizeLimitMiddleware, limit=max_request_body_bytes)
+    keys: dict[str, Optional[str]] = dict(api_keys or {})
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key, guarded=guarded_paths(metrics_require_api_key))
+        keys[api_key] = None
+    if keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=keys, guarded=guarded_paths(metrics_require_api_key))
     return app
 
 
 def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
     """`tokenweir serve`: load the model, then serve until interrupted."""
     from tokenweir.engine.async_engine import AsyncLLMEngine
-
     from tokenweir.engine.step_trace import StepTrace
 
+    api_keys = load_api_keys(ns.api_keys_file) if ns.api_keys_file is not None else None  # before the load
     step_trace = StepTrace(ns.step_trace) if ns.step_trace else None
     engine = AsyncLLMEngine.from_engine_args(engine_args, step_trace)
     try:
         app = build_app(engine, api_key=ns.api_key, max_waiting_requests=ns.max_waiting_requests,
                         max_request_body_bytes=ns.max_request_body_bytes,
-                        metrics_require_api_key=ns.metrics_require_api_key)
+                        metrics_require_api_key=ns.metrics_require_api_key, api_keys=api_keys)
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                     access_log=not ns.disable_uvicorn_access_log)
     finally:

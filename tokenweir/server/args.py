@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
@@ -19,6 +20,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* (and /metrics, see below)")
+    parser.add_argument("--api-keys-file", type=Path, default=None,
+                        help="JSON {key: tenant}: each key is accepted and fixes the request's tenant "
+                             "(overriding the body's `tenant`) for per-tenant fair share and metrics")
     parser.add_argument("--metrics-require-api-key", action=argparse.BooleanOptionalAction, default=True,
                         help="with --api-key, /metrics needs the key too (default on: its prefix-cache "
                              "counters tell whether another user's prefix is cached; vLLM leaves it open)")

@@ -1,8 +1,15 @@
-"""`--api-key`: requires `Authorization: Bearer KEY` on the guarded paths, before the body is read."""
+"""`--api-key` / `--api-keys-file`: require `Authorization: Bearer KEY` on the guarded paths,
+before the body is read. With a keys file each key names its tenant, and that tenant is the
+request's: it overrides a `tenant` in the body, so no client can claim another's fair share."""
 
 from __future__ import annotations
 
+import json
 import secrets
+from pathlib import Path
+from typing import Optional
+
+from starlette.requests import Request
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -16,17 +23,42 @@ API_PREFIX = "/v1/"
 METRICS_PATH = "/metrics"
 
 
+# Where the middleware leaves the authenticated key's tenant in the ASGI scope.
+TENANT_SCOPE_KEY = "tokenweir.tenant"
+
+
 def guarded_paths(metrics_require_api_key: bool) -> tuple[str, ...]:
     return (API_PREFIX, METRICS_PATH) if metrics_require_api_key else (API_PREFIX,)
+
+
+def load_api_keys(path: Path) -> dict[str, str]:
+    """A JSON object {key: tenant} (both non-empty strings)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--api-keys-file {str(path)!r} cannot be read as JSON: {e}") from None
+    if not isinstance(data, dict) or not data:
+        raise ValueError(f"--api-keys-file {str(path)!r} must hold a non-empty JSON object {{key: tenant}}")
+    for key, tenant in data.items():
+        if not key or not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"--api-keys-file {str(path)!r}: every key needs a non-empty tenant name, "
+                             f"got {tenant!r:.80} for a key")
+    return data
+
+
+def authenticated_tenant(request: Request) -> Optional[str]:
+    """The tenant of the key the request authenticated with (None without a keys file)."""
+    return request.scope.get(TENANT_SCOPE_KEY)
 
 
 class APIKeyMiddleware:
     """A plain ASGI middleware (not BaseHTTPMiddleware), so that streaming and disconnect
     detection pass through untouched. /health and /version stay open for probes."""
 
-    def __init__(self, app: ASGIApp, api_key: str, guarded: tuple[str, ...]) -> None:
+    def __init__(self, app: ASGIApp, api_keys: dict[str, Optional[str]], guarded: tuple[str, ...]) -> None:
+        """`api_keys`: key -> its tenant (None: a key that names none, `--api-key`)."""
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [(f"Bearer {key}".encode(), tenant) for key, tenant in api_keys.items()]
         self.guarded = guarded
 
     def _is_guarded(self, path: str) -> bool:
@@ -35,9 +67,15 @@ class APIKeyMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._is_guarded(scope["path"]):
             given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):
+            matched, tenant = False, None
+            for expected, key_tenant in self.expected:  # every key compared: no early exit to time
+                if secrets.compare_digest(given, expected):
+                    matched, tenant = True, key_tenant
+            if not matched:
                 error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                  code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
+            if tenant is not None:
+                scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)

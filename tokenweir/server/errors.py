@@ -14,7 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from tokenweir.engine.client import EngineDeadError
+from tokenweir.engine.client import DeadlineExceededError, EngineDeadError
 from tokenweir.server.protocol import ErrorInfo, ErrorResponse
 
 RETRY_AFTER_S = 1
@@ -48,6 +48,10 @@ def overloaded(message: str) -> APIError:
 
 
 def engine_error(error: BaseException) -> APIError:
+    if isinstance(error, DeadlineExceededError):
+        # The request's own deadline, not a server fault: 504 with the reason, no Retry-After
+        # (the same request would be late again).
+        return APIError(504, str(error), type="timeout_error", code="deadline_exceeded")
     if isinstance(error, EngineDeadError):
         return APIError(503, str(error), type="server_error", code="engine_dead",
                         headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -19,6 +19,7 @@ from tokenweir.engine.client import EngineDeadError, RequestFailedError
 from tokenweir.engine.client import EngineClient
 from tokenweir.engine.output import RequestOutput
 from tokenweir.server.admission import Admission, WaitingSlot
+from tokenweir.server.auth import authenticated_tenant
 from tokenweir.server.errors import APIError, bad_request, engine_error
 from tokenweir.server.formatters import ChatFormatter, CompletionFormatter, ResponseFormatter, usage
 from tokenweir.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, GenerationRequest
@@ -72,12 +73,12 @@ class OpenAIServing:
         return await self._serve("chatcmpl", body, raw, self.translator.chat, ChatFormatter)
 
     async def _serve(self, prefix: str, body: GenerationRequest, raw: Request,
-                     translate: Callable[[Any], Awaitable[EngineRequest]],
+                     translate: Callable[[Any, Optional[str]], Awaitable[EngineRequest]],
                      formatter_class: type[ResponseFormatter]) -> Response:
         self.check_model(body.model)
         slot = self.admission.reserve()
         try:
-            request = await translate(body)
+            request = await translate(body, authenticated_tenant(raw))
             formatter = formatter_class(self.client.tokenizer, request.params.logprobs)
             job = await self._submit(prefix, body, raw, request, formatter, slot)
         finally:

@@ -55,7 +55,8 @@ class RequestTranslator:
         self.tokenizer = tokenizer
         self.chars_per_token = max_chars_per_token(tokenizer)
 
-    async def completion(self, body: CompletionRequest) -> EngineRequest:
+    async def completion(self, body: CompletionRequest, tenant: Optional[str] = None) -> EngineRequest:
+        """`tenant`: the authenticated key's, which wins over the body's."""
         arrival = time.monotonic()  # the engine's clock
         prompt = body.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
@@ -70,9 +71,9 @@ class RequestTranslator:
         else:
             ids = list(prompt)  # the engine checks the ids against the vocabulary
         max_tokens = self.resolve_max_tokens(body.max_tokens, "max_tokens", ids, "prompt")
-        return self._request(body, text, ids, "prompt", max_tokens, body.logprobs, arrival)
+        return self._request(body, text, ids, "prompt", max_tokens, body.logprobs, arrival, tenant)
 
-    async def chat(self, body: ChatCompletionRequest) -> EngineRequest:
+    async def chat(self, body: ChatCompletionRequest, tenant: Optional[str] = None) -> EngineRequest:
         arrival = time.monotonic()
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -83,10 +84,11 @@ class RequestTranslator:
         else:
             max_tokens = self.resolve_max_tokens(body.max_tokens, "max_tokens", ids, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return self._request(body, text, ids, "messages", max_tokens, logprobs, arrival)
+        return self._request(body, text, ids, "messages", max_tokens, logprobs, arrival, tenant)
 
     def _request(self, body: GenerationRequest, text: Optional[str], ids: list[int], prompt_param: str,
-                 max_tokens: int, logprobs: Optional[int], arrival: float) -> EngineRequest:
+                 max_tokens: int, logprobs: Optional[int], arrival: float,
+                 tenant: Optional[str]) -> EngineRequest:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, min_tokens=body.min_tokens,
@@ -98,7 +100,7 @@ class RequestTranslator:
                 seed=body.seed, logprobs=logprobs, include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens, n=body.n)
             hints = SchedulingHints(
-                priority=body.priority, tenant=body.tenant, arrival_time=arrival,
+                priority=body.priority, tenant=tenant if tenant is not None else body.tenant, arrival_time=arrival,
                 deadline=_seconds(body.deadline_ms), ttft_slo=_seconds(body.ttft_slo_ms),
                 tpot_slo=_seconds(body.tpot_slo_ms), cache_salt=body.cache_salt)
         except ParameterError as e:

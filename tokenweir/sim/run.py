@@ -14,12 +14,14 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from tokenweir.bench import serve as bench
 from tokenweir.bench.serve_metrics import compute_metrics, metrics_to_dict
 from tokenweir.bench.serve_report import format_table
+from tokenweir.bench.slo_mix import SLOClass, class_report, format_class_table
 from tokenweir.config import EngineArgs
+from tokenweir.request import SchedulingHints
 from tokenweir.core.cost_model import DEFAULT_PROFILE, StepCostModel, load_cost_model
 from tokenweir.sim.simulator import SimRequest, SimResult, Simulator
 
@@ -39,9 +41,11 @@ def add_sim_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
-def sim_requests(workload: bench.Workload) -> list[SimRequest]:
-    return [SimRequest(f"sim-{i}", r.prompt_token_ids, r.output_len, float(t))
-            for i, (r, t) in enumerate(zip(workload.requests, workload.arrivals))]
+def sim_requests(workload: bench.Workload, classes: Sequence[SLOClass] = ()) -> list[SimRequest]:
+    """The workload's requests; with --slo-mix classes, each with its class's hints."""
+    hints = [c.hints() for c in classes] or [SchedulingHints()] * len(workload.requests)
+    return [SimRequest(f"sim-{i}", r.prompt_token_ids, r.output_len, float(t), h)
+            for i, (r, t, h) in enumerate(zip(workload.requests, workload.arrivals, hints))]
 
 
 def profile_label(cost_model: StepCostModel, path: Optional[Path]) -> dict[str, Any]:
@@ -55,7 +59,7 @@ def simulate(args: EngineArgs, ns: argparse.Namespace, cost_model: StepCostModel
     """Build the workload `ns` describes and run it; returns the result and the wall seconds."""
     bench.check_counts(ns)
     workload = bench.build_workload(ns, bench.load_tokenizer(ns.tokenizer))
-    requests = sim_requests(workload)
+    requests = sim_requests(workload, bench.slo_classes_of(ns, len(workload.requests)))
     simulator = Simulator.from_engine_args(args, cost_model, ns.timeseries_points)
     start = time.perf_counter()
     if show_progress:
@@ -97,6 +101,9 @@ def result_dict(result: SimResult, ns: argparse.Namespace, args: EngineArgs, cos
         "errors": [r.error for r in result.records],
         "timeseries": result.timeseries.to_dict(),
     }
+    classes = bench.slo_classes_of(ns, len(result.records))
+    if classes:
+        out["slo_classes"] = class_report(result.records, classes, result.duration_s)
     if wall_seconds is not None:
         out["wall_seconds"] = wall_seconds
         out["simulated_seconds_per_wall_second"] = result.duration_s / wall_seconds
@@ -120,6 +127,9 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> dict[str, Any]:
     print(f"SIMULATED with profile {label['path']} ({label['model']}, {label['dtype']} on "
           f"{label['device']}, measured {label['measured_at']})")
     print(format_table(metrics, selected, ns.max_concurrency, rate_label))
+    classes = bench.slo_classes_of(ns, len(result.records))
+    if classes:
+        print(format_class_table(class_report(result.records, classes, result.duration_s)))
     print(f"simulated {result.duration_s:.1f} s in {wall:.2f} s of wall time "
           f"({result.duration_s / wall:.0f}x real time, {result.num_steps / wall:.0f} steps/s); "
           f"{result.num_steps} steps, {result.num_preemptions} preemptions")

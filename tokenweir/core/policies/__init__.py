@@ -7,9 +7,14 @@ from typing import Optional
 
 from tokenweir.core.policies.base import PolicyConfig, SchedulingPolicy, ServedRequest
 from tokenweir.core.policies.fcfs import FCFSPolicy
+from tokenweir.core.policies.fair_share import VTCConfig, parse_tenant_weights
 from tokenweir.core.policies.priority import PriorityPolicy, priority_key
+from tokenweir.core.policies.sla import SLAPolicy
+from tokenweir.core.policies.sla_score import ScoreParts, SLAConfig, priority_class
+from tokenweir.core.policies.vtc import VTCPolicy
 
-POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FCFSPolicy, PriorityPolicy)}
+POLICIES: dict[str, type[SchedulingPolicy]] = {
+    p.name: p for p in (FCFSPolicy, PriorityPolicy, SLAPolicy, VTCPolicy)}
 
 
 def create_policy(name: str, config: Optional[PolicyConfig] = None) -> SchedulingPolicy:
@@ -20,5 +25,6 @@ def create_policy(name: str, config: Optional[PolicyConfig] = None) -> Schedulin
     return policy_class(config)
 
 
-__all__ = ["POLICIES", "FCFSPolicy", "PolicyConfig", "PriorityPolicy", "SchedulingPolicy", "ServedRequest",
-           "create_policy", "priority_key"]
+__all__ = ["POLICIES", "FCFSPolicy", "PolicyConfig", "PriorityPolicy", "SLAConfig", "SLAPolicy", "SchedulingPolicy",
+           "ScoreParts", "ServedRequest", "VTCConfig", "VTCPolicy", "create_policy", "parse_tenant_weights",
+           "priority_class", "priority_key"]

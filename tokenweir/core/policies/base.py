@@ -66,3 +66,12 @@ class SchedulingPolicy(ABC):
 
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         """Called once per step after its results are applied, with every scheduled request."""
+
+    def take_expired(self, now: float) -> Sequence[tuple[Request, str]]:
+        """Called once per step before anything is scheduled: requests (waiting or running) the
+        policy gives up on, each with why; the scheduler finishes them as aborted."""
+        return ()
+
+    def get_stats(self) -> dict[str, object]:
+        """The policy's state for SchedulerStats (kept small: it is read after every step)."""
+        return {}

@@ -1,0 +1,281 @@
+"""The `sla` policy: hand-computed scores, the threshold-algorithm queue against brute force,
+the wait bound, hysteresis and protection, deadline shedding, and no starvation or leaks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, reference_stream, step
+from tokenweir.config import EngineArgs
+from tokenweir.core.policies import SLAConfig, SLAPolicy, ServedRequest, VTCConfig, priority_class
+from tokenweir.core.policies.sla_score import sigmoid
+from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
+
+
+def _req(rid: str, prompt_len: int = 10, max_tokens: int = 10, arrival: float = 0.0, **hints) -> Request:
+    base = 1000 + 50 * (abs(hash(rid)) % 1000)
+    return Request(rid, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens),
+                   arrival_time=arrival, eos_token_id=EOS, hints=SchedulingHints(**hints))
+
+
+def test_score_parts_are_the_hand_computed_terms():
+    policy = SLAPolicy()
+    queue = policy.make_waiting_queue()
+    r = _req("r", prompt_len=10, max_tokens=10, priority=2, ttft_slo=1.0)
+    for other in (r, _req("w1"), _req("w2")):
+        queue.add(other)
+    policy.begin_step(1.5, queue, [_req("running")])
+    parts = policy.explain(r, 1.5)
+    # load = 3 waiting / 4 unfinished = 0.75 -> adjustment 1 + (0.75 - 0.5) * 1 = 1.25
+    assert parts.load_adjustment == pytest.approx(1.25)
+    assert parts.base == -2.0
+    # Due at 1.0, now 1.5, window 1: half a window late, fading from 1 at the due time.
+    assert parts.urgency == pytest.approx(2 / (1 + math.exp(0.5)))
+    assert parts.urgency_term == pytest.approx(0.7550813 * 1.25 * 2.0, rel=1e-6)
+    assert parts.resource == pytest.approx(math.log(20) / 10)
+    assert parts.resource_term == pytest.approx(-0.1 * math.log(20) / 10)
+    assert parts.aging == pytest.approx(0.001 * 1.5)
+    assert parts.fairness == 0.0 and parts.priority_class == 2 and not parts.aged
+    assert parts.total == pytest.approx(-2.0 + 1.8877033 - 0.0299573 + 0.0015, abs=1e-6)
+    assert policy.score(r, 1.5) == pytest.approx(parts.total)
+    assert policy.get_stats()["scores"]["r"] == parts
+
+
+def test_due_time_follows_the_deadline_then_ttft_then_tpot():
+    policy = SLAPolicy()
+    policy.make_waiting_queue()
+    r = _req("r", deadline=10.0, ttft_slo=2.0, tpot_slo=0.5, arrival=1.0)
+    assert policy.explain(r, 3.0).urgency == pytest.approx(1.0)  # arrival + ttft = 3
+    assert policy.explain(r, 1.0).urgency == pytest.approx(2 * sigmoid(-2.0))
+    assert policy.explain(r, 5.0).urgency == pytest.approx(2 * sigmoid(-2.0))  # missed: fading
+    r.append_output_token(7, now=4.0)
+    assert policy.explain(r, 4.0).urgency == pytest.approx(2 * sigmoid(-0.5))  # last token + tpot = 4.5
+    plain = _req("plain")
+    assert policy.explain(plain, 100.0).urgency == 0.0
+
+
+def test_a_class_served_below_its_demand_share_is_compensated():
+    policy = SLAPolicy(SLAConfig(fairness_factor=2.0))
+    queue = policy.make_waiting_queue()
+    a, b = _req("a", 40, 10, priority=0), _req("b", 40, 10, priority=1)  # 50 tokens asked each
+    queue.add(a)
+    queue.add(b)
+    a.num_computed_tokens = 40
+    policy.on_step_served([ServedRequest(a, 40, 0, 1)], now=0.0)
+    policy.begin_step(0.0, queue, [])
+    # Class 1: expected share 0.5, served 0 < 0.8 * 0.5 -> 2.0 * (0.5 - 0) = 1.0; class 0 over its share.
+    assert policy.fairness[:2] == [0.0, pytest.approx(1.0)]
+    assert policy.explain(b, 0.0).fairness == pytest.approx(1.0)
+    assert policy.get_stats()["class_served_share"][:2] == [1.0, 0.0]
+
+
+def test_priority_classes_are_bounded():
+    assert [priority_class(p, 4) for p in (-(2**31), -1, 0, 1, 3, 4, 2**31 - 1)] == [0, 0, 0, 1, 3, 3, 3]
+
+
+_hint = st.fixed_dictionaries({
+    "priority": st.integers(-2, 5),
+    "ttft_slo": st.none() | st.floats(0.1, 20.0, allow_subnormal=False),
+    "deadline": st.none() | st.floats(0.1, 30.0, allow_subnormal=False),
+    "tenant": st.sampled_from([None, "a", "b"]),
+})
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(requests=st.lists(st.tuples(_hint, st.floats(0.0, 10.0, allow_subnormal=False), st.integers(1, 60), st.integers(1, 60)),
+                         min_size=1, max_size=40),
+       now=st.floats(0.0, 40.0, allow_subnormal=False), tenant_fairness=st.booleans(), max_wait=st.sampled_from([5.0, 1000.0]))
+def test_the_queue_pops_in_score_order_like_a_full_rescore(requests, now, tenant_fairness, max_wait):
+    """The threshold-algorithm queue against brute force: each pop is the best-scored request
+    left (aged requests first, oldest first); with tenant fairness, the best of the chosen
+    tenant in the best class."""
+    policy = SLAPolicy(SLAConfig(max_wait=max_wait, tenant_fairness=tenant_fairness))
+    queue = policy.make_waiting_queue()
+    waiting = []
+    for i, (hints, arrival, prompt_len, max_tokens) in enumerate(requests):
+        r = _req(f"r{i}", prompt_len, max_tokens, arrival=min(arrival, now), **hints)
+        queue.add(r)
+        waiting.append(r)
+    policy.begin_step(now, queue, [])
+    while waiting:
+        popped = queue.pop()
+        aged = [r for r in waiting if now - r.arrival_time >= max_wait]
+        if aged:
+            assert popped is min(aged, key=lambda r: (r.arrival_time, int(r.request_id[1:])))
+        elif not tenant_fairness:
+            best = max(policy.score(r, now) for r in waiting)
+            assert policy.score(popped, now) == pytest.approx(best, abs=1e-9)
+        else:
+            in_class = [r for r in waiting if priority_class(r.priority, 4) == priority_class(popped.priority, 4)]
+            same_tenant = [r for r in in_class if r.tenant == popped.tenant]
+            assert policy.score(popped, now) == pytest.approx(max(policy.score(r, now) for r in same_tenant), abs=1e-9)
+        waiting.remove(popped)
+    assert len(queue) == 0
+
+
+def _flood(policy, steps: int = 120) -> Request:
+    """One slot; a priority-0 request arrives every step (each needs 3 steps: overload); a
+    priority-3 request arrived first. Returns it."""
+    s = create_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    low = _req("low", 4, 2, arrival=0.0, priority=3)
+    s.add_request(low)
+    for t in range(steps):
+        s.add_request(_req(f"hi{t}", 4, 2, arrival=float(t), priority=0))
+        step(s, runner, now=float(t))
+    s.abort_requests(list(s.requests), now=float(steps))
+    assert_no_leaks(s)
+    return low
+
+
+def test_aging_bounds_the_wait_where_strict_priority_starves():
+    starved = _flood("priority")
+    assert starved.first_scheduled_time is None
+    served = _flood(SLAPolicy(SLAConfig(max_wait=20.0)))
+    # Aged at t=20, it goes before every younger request: admitted once the slot frees.
+    assert served.first_scheduled_time is not None and served.first_scheduled_time <= 23.0
+    assert served.status == RequestStatus.FINISHED_LENGTH and served.finished_time <= 30.0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=st.lists(st.tuples(st.integers(0, 60), st.integers(-1, 4), st.integers(1, 12), st.integers(1, 6),
+                                   st.sampled_from([None, 0.5, 3.0])), min_size=1, max_size=30),
+       max_wait=st.sampled_from([3.0, 10.0]), tenant_fairness=st.booleans(), num_blocks=st.integers(8, 30))
+def test_no_request_waits_past_the_bound_behind_younger_ones_and_none_starves(arrivals, max_wait, tenant_fairness,
+                                                                              num_blocks):
+    """Random workloads: once a request has waited max_wait, no younger request that has not
+    is admitted before it; everything finishes with the reference output; nothing leaks."""
+    policy = SLAPolicy(SLAConfig(max_wait=max_wait, tenant_fairness=tenant_fairness, preempt_margin=0.0))
+    s = create_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=3, num_blocks=num_blocks)
+    runner = PagedFakeRunner(s.block_size)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    requests = []
+    t = 0
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0][0] <= t:
+            at, priority, prompt_len, max_tokens, ttft = pending.pop(0)
+            r = _req(f"r{len(requests)}", prompt_len, max_tokens, arrival=float(at), priority=priority,
+                     ttft_slo=ttft, tenant=("a", "b")[len(requests) % 2])
+            requests.append(r)
+            s.add_request(r)
+        out = step(s, runner, now=float(t))
+        admitted = [s.requests.get(n.request_id) for n in out.scheduled_new_reqs]
+        young = [r for r in admitted if r is not None and t - r.arrival_time < max_wait]
+        left_aged = [r for r in s.waiting if t - r.arrival_time >= max_wait]
+        assert not (young and left_aged), (t, [r.request_id for r in young], [r.request_id for r in left_aged])
+        t += 1
+        assert t < 5000, "no progress"
+    for r in requests:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+        assert r.num_output_tokens == r.sampling_params.max_tokens
+    assert_no_leaks(s)
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_a_request_preempted_k_times_is_protected_so_no_pair_takes_turns(k):
+    """Two late interactive requests and batch ones fighting for one slot, with no margin at
+    all: each is preempted for another at most k times, and all finish."""
+    policy = SLAPolicy(SLAConfig(preempt_margin=0.0, max_preemptions=k, urgency_weight=5.0, time_window=0.5))
+    s = create_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    reqs = [_req(f"r{i}", 6, 8, arrival=0.1 * i, ttft_slo=0.5, tpot_slo=0.2, priority=i % 2) for i in range(4)]
+    for r in reqs:
+        s.add_request(r)
+    t = 0.0
+    while s.has_unfinished_requests():
+        step(s, runner, now=t)
+        t += 0.3
+        assert t < 1000
+    assert max(r.num_preemptions for r in reqs) <= k
+    assert (s.num_preemptions > 0) == (k > 0)
+    for r in reqs:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, 8)
+
+
+def test_an_interactive_request_preempts_a_batch_one_but_not_one_of_its_own_kind(make_scheduler):
+    s = make_scheduler(policy=SLAPolicy(), max_num_batched_tokens=16, max_num_seqs=2, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    batch = _req("batch", 4, 50, arrival=0.0, priority=1, ttft_slo=30.0, tpot_slo=2.0)
+    inter = _req("inter", 4, 50, arrival=0.0, priority=0, ttft_slo=1.0, tpot_slo=0.1)
+    s.add_request(batch)
+    s.add_request(inter)
+    late = _req("late", 4, 4, arrival=0.0, priority=0, ttft_slo=0.5, tpot_slo=0.1)
+    t = 0.0
+    while not s.num_preemptions and t < 3.0:
+        if t == 0.1:
+            s.add_request(late)  # both slots taken: it waits until late enough to preempt
+        out = step(s, runner, now=t)
+        t = round(t + 0.05, 2)
+    assert out.preempted_req_ids == {"batch"}  # scored far below; "inter" is on time
+    assert "late" in {n.request_id for n in out.scheduled_new_reqs}
+    while s.has_unfinished_requests():
+        step(s, runner, now=t)
+        t += 0.05
+    assert inter.num_preemptions == 0 and late.num_preemptions == 0
+    for r in (batch, inter, late):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
+def test_expired_requests_are_finished_with_the_reason_and_free_their_blocks(make_scheduler):
+    s = make_scheduler(policy=SLAPolicy(SLAConfig(drop_expired=True)), max_num_batched_tokens=16,
+                       max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    long = _req("long", 4, 30, arrival=0.0, deadline=5.0, priority=-5)  # admitted first
+    waiting = _req("waiting", 4, 4, arrival=0.0, deadline=2.0)
+    kept = _req("kept", 4, 2, arrival=0.0)
+    for r in (long, waiting, kept):
+        s.add_request(r)
+    for t in range(8):
+        step(s, runner, now=float(t))
+    assert waiting.status == RequestStatus.FINISHED_ABORTED and waiting.first_scheduled_time is None
+    assert waiting.status_message.startswith("deadline exceeded: the request's deadline of 2000 ms passed")
+    assert long.status == RequestStatus.FINISHED_ABORTED and long.finished_time == 5.0  # shed while running
+    assert 0 < long.num_output_tokens < 30
+    while s.has_unfinished_requests():
+        step(s, runner, now=float(t))
+        t += 1
+    assert kept.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_without_drop_expired_a_late_request_still_finishes(make_scheduler):
+    s = make_scheduler(policy="sla", max_num_batched_tokens=16, max_num_seqs=1)
+    runner = PagedFakeRunner(s.block_size)
+    r = _req("r", 4, 3, deadline=0.5)
+    s.add_request(r)
+    for t in range(5):
+        step(s, runner, now=float(t))
+    assert r.status == RequestStatus.FINISHED_LENGTH
+
+
+def test_engine_args_carry_every_knob_into_the_policy_config():
+    args = EngineArgs(scheduling_policy="sla", sla_base_weight=3.0, sla_max_wait=7.5, sla_max_preemptions=1,
+                      sla_drop_expired=True, sla_tenant_fairness=True, num_priority_classes=2,
+                      vtc_output_weight=4.0, vtc_tenant_weights="gold=3")
+    _, sched = args.create_engine_configs(model_max_len=512, num_blocks=64)
+    cfg = sched.policy_config
+    assert isinstance(cfg, SLAConfig)
+    assert (cfg.base_weight, cfg.max_wait, cfg.max_preemptions, cfg.drop_expired, cfg.tenant_fairness,
+            cfg.num_priority_classes) == (3.0, 7.5, 1, True, True, 2)
+    assert cfg.vtc == VTCConfig(output_weight=4.0, tenant_weights={"gold": 3.0})
+    # Every SLAConfig knob has its engine arg, with the same default.
+    defaults = SLAConfig()
+    for name in vars(defaults):
+        if name not in ("vtc", "num_priority_classes"):
+            assert getattr(EngineArgs(), f"sla_{name}") == getattr(defaults, name)
+
+
+@pytest.mark.parametrize("knobs, message", [
+    ({"sla_time_window": 0.0}, "sla time_window must be > 0"),
+    ({"sla_urgency_weight": -1.0}, "sla urgency_weight must be >= 0"),
+    ({"sla_max_preemptions": -1}, "sla max_preemptions must be an integer >= 0"),
+    ({"sla_aging_rate": math.inf}, "sla aging_rate must be a finite number"),
+    ({"num_priority_classes": 0}, "sla num_priority_classes must be an integer >= 1"),
+    ({"vtc_tenant_weights": "a=0"}, "the weight of 'a' must be a number > 0"),
+])
+def test_bad_knobs_are_refused_when_the_engine_args_are_made(knobs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(scheduling_policy="sla", **knobs)

@@ -1,0 +1,172 @@
+"""The `vtc` policy and its counters: charging (no charge for recomputation or cache hits), the
+lift rule on a scripted scenario, the fair-share bound against FCFS, weights, no leaks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, reference_stream, step
+from tokenweir.core.policies import ServedRequest, VTCConfig, VTCPolicy, parse_tenant_weights
+from tokenweir.core.policies.fair_share import VirtualTokenCounters, fresh_prompt_tokens
+from tokenweir.request import Request, SamplingParams, SchedulingHints
+
+
+def _req(rid: str, tenant, prompt_len: int = 8, max_tokens: int = 4, arrival: float = 0.0) -> Request:
+    base = 1000 + 50 * (abs(hash(rid)) % 1000)
+    return Request(rid, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens),
+                   arrival_time=arrival, eos_token_id=EOS, hints=SchedulingHints(tenant=tenant))
+
+
+def _served(request: Request, start: int, computed: int, recomputed: int = 0, outputs: int = 0) -> ServedRequest:
+    request.num_computed_tokens = start + computed  # as update_from_output leaves it
+    return ServedRequest(request, computed, recomputed, outputs)
+
+
+def test_counters_charge_fresh_prompt_tokens_and_outputs_by_weight():
+    counters = VirtualTokenCounters(VTCConfig(input_weight=1.0, output_weight=2.0, tenant_weights={"gold": 2.0}))
+    a, g = _req("a", "a", prompt_len=8), _req("g", "gold", prompt_len=8)
+    counters.charge([_served(a, 0, 5), _served(g, 0, 8, outputs=1)])  # a: a chunk of 5; g: all + 1 token
+    assert counters.counter("a") == 5.0
+    assert counters.counter("gold") == (8 + 2) / 2.0
+    counters.charge([_served(a, 5, 3, outputs=1), _served(_req("a2", "a", prompt_len=2), 0, 2)])
+    assert counters.counter("a") == 5 + 3 + 2 + 2
+    # After a preemption: 6 tokens computed again (recomputed) then 2 fresh ones of the prompt.
+    b = _req("b", "b", prompt_len=12)
+    s = _served(b, 0, 8, recomputed=6)
+    assert fresh_prompt_tokens(s) == 2
+    counters.charge([s])
+    assert counters.counter("b") == 2.0
+    # Decode of an output token's K/V (its position is past the prompt) charges nothing as input.
+    assert fresh_prompt_tokens(_served(b, 12, 1, outputs=1)) == 0
+    # A prefix-cache hit of 4: the step computes tokens 4..8 only.
+    assert fresh_prompt_tokens(_served(_req("c", "c", prompt_len=8), 4, 4)) == 4
+
+
+def test_the_smallest_counter_goes_first_and_a_newly_backlogged_tenant_is_lifted():
+    counters = VirtualTokenCounters(VTCConfig())
+    counters.add_waiting("a")
+    counters.add_waiting("b")
+    a, b = _req("a", "a"), _req("b", "b")
+    counters.charge([_served(a, 0, 8, outputs=1)])  # a: 10
+    counters.charge([_served(b, 0, 4)])  # b: 4
+    assert counters.min_backlogged() == "b"
+    counters.charge([_served(b, 4, 4, outputs=2)])  # b: 4 + 4 + 4 = 12
+    assert counters.min_backlogged() == "a"
+    # c arrives: lifted from 0 to the smallest backlogged counter (a's 10), not banked idle credit.
+    counters.add_waiting("c")
+    assert counters.counter("c") == 10.0
+    # A tenant that comes back with a counter above the floor keeps its own.
+    counters.remove_waiting("b")
+    counters.add_waiting("b")
+    assert counters.counter("b") == 12.0
+    # With nobody backlogged, a newcomer is lifted to the counter of the tenant last chosen.
+    counters.note_chosen("a")
+    for t in ("a", "b", "c"):
+        counters.remove_waiting(t)
+    counters.add_waiting("d")
+    assert counters.counter("d") == 10.0
+    assert counters.snapshot() == {"d": 10.0}
+
+
+def _two_tenants(policy, steps: int = 400):
+    """Tenant "heavy" sends 10 requests every 10 steps, "light" 1 per step: both more than the
+    engine serves (about one request per step), heavy ten times more."""
+    s = create_scheduler(policy=policy, max_num_batched_tokens=32, max_num_seqs=4, num_blocks=256)
+    runner = PagedFakeRunner(s.block_size)
+    served = {"heavy": 0, "light": 0}
+    tenant_of: dict[str, str] = {}
+    gaps = []
+    for t in range(steps):
+        for tenant, count in (("heavy", 100 if t % 10 == 0 else 0), ("light", 1)):
+            for _ in range(count):
+                rid = tenant_of.setdefault(f"r{len(tenant_of)}", tenant) and f"r{len(tenant_of) - 1}"
+                s.add_request(_req(rid, tenant, prompt_len=6, max_tokens=4, arrival=float(t)))
+        out = step(s, runner, now=float(t))
+        for rid, num in out.num_scheduled_tokens.items():
+            served[tenant_of[rid]] += num
+        if isinstance(policy, VTCPolicy):
+            c = policy.counters
+            if c.is_backlogged("heavy") and c.is_backlogged("light"):
+                gaps.append(abs(c.counter("heavy") - c.counter("light")))
+    s.abort_requests(list(s.requests))
+    assert_no_leaks(s)
+    return served, gaps
+
+
+def test_vtc_shares_service_between_a_heavy_and_a_light_tenant_within_its_bound():
+    fcfs, _ = _two_tenants("fcfs")
+    policy = VTCPolicy()
+    vtc, gaps = _two_tenants(policy)
+    # Light asks for 1/11 of the work. Under FCFS it gets about that; under VTC, with both
+    # backlogged, as much as heavy.
+    assert fcfs["light"] / sum(fcfs.values()) < 0.15
+    assert 0.45 < vtc["light"] / sum(vtc.values()) < 0.55
+    # The bound: |counter difference| <= 2U, U the most one step can charge one tenant
+    # (the whole token budget as prompt tokens, or an output token per running sequence).
+    cfg = policy.config
+    bound = 2 * max(cfg.input_weight * 32, cfg.output_weight * 4)
+    assert gaps and max(gaps) <= bound
+
+
+def test_tenant_weights_set_the_shares():
+    policy = VTCPolicy(VTCConfig(tenant_weights={"heavy": 3.0}))
+    s = create_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=2, num_blocks=256)
+    runner = PagedFakeRunner(s.block_size)
+    served = {"heavy": 0, "light": 0}
+    for i in range(200):
+        s.add_request(_req(f"h{i}", "heavy", 4, 4))
+        s.add_request(_req(f"l{i}", "light", 4, 4))
+    for t in range(300):
+        out = step(s, runner, now=float(t))
+        for rid, num in out.num_scheduled_tokens.items():
+            served["heavy" if rid.startswith("h") else "light"] += num
+    ratio = served["heavy"] / served["light"]
+    assert 2.5 < ratio < 3.5
+    s.abort_requests(list(s.requests))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=st.lists(st.tuples(st.integers(0, 40), st.sampled_from([None, "a", "b", "c"]), st.integers(1, 12),
+                                   st.integers(1, 6)), min_size=1, max_size=30),
+       num_blocks=st.integers(8, 30))
+def test_random_workloads_all_finish_correctly_without_leaks(arrivals, num_blocks):
+    s = create_scheduler(policy=VTCPolicy(), max_num_batched_tokens=16, max_num_seqs=3, num_blocks=num_blocks)
+    runner = PagedFakeRunner(s.block_size)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    requests, t = [], 0
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0][0] <= t:
+            at, tenant, prompt_len, max_tokens = pending.pop(0)
+            requests.append(_req(f"r{len(requests)}", tenant, prompt_len, max_tokens, arrival=float(at)))
+            s.add_request(requests[-1])
+        step(s, runner, now=float(t))
+        t += 1
+        assert t < 5000, "no progress"
+    for r in requests:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.sampling_params.max_tokens)
+    assert_no_leaks(s)
+    assert len(s.waiting) == 0 and list(policy_backlog(s)) == []
+
+
+def policy_backlog(s):
+    return s.policy.counters.backlogged
+
+
+def test_tenant_weights_parse_from_a_flag_or_a_file(tmp_path):
+    assert parse_tenant_weights("a=2, b=0.5") == {"a": 2.0, "b": 0.5}
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"gold": 4}))
+    assert parse_tenant_weights(f"@{path}") == {"gold": 4.0}
+    with pytest.raises(ValueError, match="bad item 'a'"):
+        parse_tenant_weights("a")
+    with pytest.raises(ValueError, match="weight of 'a' is not a number"):
+        parse_tenant_weights("a=x")
+    with pytest.raises(ValueError, match="cannot be read as JSON"):
+        parse_tenant_weights(f"@{tmp_path / 'missing.json'}")
+    path.write_text("[1]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        parse_tenant_weights(f"@{path}")

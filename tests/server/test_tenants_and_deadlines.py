@@ -1,0 +1,93 @@
+"""Tenant identity (body `tenant`, or the API key's tenant from a keys file, which wins), the
+per-class/tenant metrics, and overload shedding answered as a readable 504."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.server.conftest import ServerThread, assert_engine_clean, make_engine
+from tests.server.helpers import MODEL, post, scrape, value
+from tokenweir.server.app import build_app
+from tokenweir.server.auth import load_api_keys
+
+BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "temperature": 0.0}
+
+
+def _generated(samples, tenant: str, priority_class: str = "0") -> float:
+    return value(samples, "tokenweir:class_generation_tokens_total", model_name=MODEL,
+                 priority_class=priority_class, tenant=tenant)
+
+
+def test_the_body_names_the_tenant_without_a_keys_file(make_server):
+    url = make_server()
+    before = scrape(url)
+    assert post(url, "/v1/completions", {**BODY, "tenant": "beta", "priority": 2}).status_code == 200
+    after = scrape(url)
+    assert _generated(after, "beta", "2") - _generated(before, "beta", "2") == 3
+
+
+def test_the_keys_tenant_wins_over_the_body_and_other_keys_are_refused(make_server, tmp_path):
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"key-a": "alpha", "key-b": "beta"}))
+    url = make_server(api_keys=load_api_keys(path), metrics_require_api_key=False)
+    before = scrape(url)
+    # A client of alpha claims beta's share: it is served as alpha.
+    r = post(url, "/v1/completions", {**BODY, "tenant": "beta"}, headers={"Authorization": "Bearer key-a"})
+    assert r.status_code == 200
+    after = scrape(url)
+    assert _generated(after, "alpha") - _generated(before, "alpha") == 3
+    assert _generated(after, "beta") - _generated(before, "beta") == 0
+    r = post(url, "/v1/completions", BODY, headers={"Authorization": "Bearer key-c"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert post(url, "/v1/completions", BODY).status_code == 401
+
+
+def test_slo_attainment_is_counted_per_class(make_server):
+    url = make_server()
+    before = scrape(url)
+    body = {**BODY, "priority": 1, "tenant": "t", "ttft_slo_ms": 60_000, "tpot_slo_ms": 0.001}
+    assert post(url, "/v1/completions", body).status_code == 200
+    after = scrape(url)
+
+    def d(name, outcome):
+        labels = dict(model_name=MODEL, priority_class="1", tenant="t", outcome=outcome)
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert (d("tokenweir:slo_ttft_total", "met"), d("tokenweir:slo_ttft_total", "missed")) == (1, 0)
+    assert (d("tokenweir:slo_tpot_total", "met"), d("tokenweir:slo_tpot_total", "missed")) == (0, 1)
+
+
+@pytest.mark.parametrize("contents, message", [
+    ("[]", "must hold a non-empty JSON object"),
+    ('{"k": ""}', "every key needs a non-empty tenant name"),
+    ("{", "cannot be read as JSON"),
+])
+def test_a_bad_keys_file_is_refused(tmp_path, contents, message):
+    path = tmp_path / "keys.json"
+    path.write_text(contents)
+    with pytest.raises(ValueError, match=message):
+        load_api_keys(path)
+
+
+def test_a_request_past_its_deadline_is_shed_with_a_504_the_client_can_read(tiny_model_dir):
+    engine = make_engine(tiny_model_dir("llama"), scheduling_policy="sla", sla_drop_expired=True)
+    server = ServerThread(build_app(engine))
+    try:
+        body = {**BODY, "max_tokens": 200, "ignore_eos": True, "deadline_ms": 1}
+        r = post(server.url, "/v1/completions", body)
+        assert r.status_code == 504, r.text
+        error = r.json()["error"]
+        assert error["code"] == "deadline_exceeded" and error["type"] == "timeout_error"
+        assert error["message"].startswith("deadline exceeded: the request's deadline of 1 ms passed")
+        r = post(server.url, "/v1/completions", {**body, "stream": True})
+        assert r.status_code == 200 and '"code": "deadline_exceeded"' in r.text and r.text.endswith("data: [DONE]\n\n")
+        # Requests without a deadline are served as before.
+        assert post(server.url, "/v1/completions", BODY).status_code == 200
+        after = scrape(server.url)
+        assert value(after, "tokenweir:request_success_total", model_name=MODEL, finished_reason="abort") == 2
+    finally:
+        server.stop()
+        assert_engine_clean(engine)
+        engine.shutdown()

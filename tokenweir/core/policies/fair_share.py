@@ -1,0 +1,185 @@
+"""Virtual Token Counters (VTC; Sheng et al., "Fairness in Serving Large Language Models",
+OSDI'24): per-tenant counts of weighted service, the fair-share state of `vtc` and of `sla`'s
+tenant term.
+
+A tenant's counter grows by `input_weight` per prompt token computed for it and `output_weight`
+per token generated, divided by the tenant's weight (weight 2: twice the share). The tenant
+served next is the backlogged one (a request waiting) with the smallest counter. A tenant that
+becomes backlogged is lifted to the smallest counter of the other backlogged tenants (or, with
+none, to the counter of the tenant last chosen), so time spent idle is not banked as credit.
+That rule gives VTC its bound: the counters of two backlogged tenants stay within 2U of each
+other, U the most that one request's admission or one step can add to one counter (the paper's
+Theorem; with weights, counters are in weighted units).
+
+Tokens computed again after a recompute preemption and prefix-cache hits are not charged: the
+tenant did not ask for that work.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from tokenweir.checks import is_finite_number
+from tokenweir.core.policies.base import PolicyConfig, ServedRequest
+
+Tenant = Optional[str]  # None: requests that name no tenant share one counter
+
+
+def parse_tenant_weights(text: Optional[str]) -> dict[str, float]:
+    """`name=weight,name=weight`, or `@path` to a JSON object {name: weight}."""
+    if not text:
+        return {}
+    if text.startswith("@"):
+        path = Path(text[1:])
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"vtc_tenant_weights file {str(path)!r} cannot be read as JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"vtc_tenant_weights file {str(path)!r} must hold a JSON object {{tenant: weight}}")
+        items = list(data.items())
+    else:
+        items = []
+        for part in text.split(","):
+            name, sep, value = part.partition("=")
+            if not sep or not name.strip():
+                raise ValueError(f"vtc_tenant_weights: bad item {part!r}; use name=weight,name=weight or @file.json")
+            try:
+                items.append((name.strip(), float(value)))
+            except ValueError:
+                raise ValueError(f"vtc_tenant_weights: weight of {name.strip()!r} is not a number: {value!r}") from None
+    weights = {}
+    for name, weight in items:
+        if not is_finite_number(weight) or weight <= 0:
+            raise ValueError(f"vtc_tenant_weights: the weight of {name!r} must be a number > 0, got {weight!r}")
+        weights[str(name)] = float(weight)
+    return weights
+
+
+@dataclass(frozen=True)
+class VTCConfig(PolicyConfig):
+    input_weight: float = 1.0  # counter units per prompt token computed (the paper's w_p)
+    output_weight: float = 2.0  # counter units per generated token (the paper's w_q)
+    # Tenant -> weight (share relative to weight-1 tenants); absent tenants weigh 1.
+    tenant_weights: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("input_weight", "output_weight"):
+            value = getattr(self, name)
+            if not is_finite_number(value) or value < 0:
+                raise ValueError(f"vtc {name} must be a number >= 0, got {value!r}")
+        if self.input_weight == 0 and self.output_weight == 0:
+            raise ValueError("vtc input_weight and output_weight cannot both be 0: no service would count")
+        for tenant, weight in self.tenant_weights.items():
+            if not is_finite_number(weight) or weight <= 0:
+                raise ValueError(f"vtc tenant weight of {tenant!r} must be a number > 0, got {weight!r}")
+
+
+def fresh_prompt_tokens(served: ServedRequest) -> int:
+    """Prompt tokens computed for the first time in this step (neither a prefix-cache hit nor
+    recomputation after a preemption): the computed range is [end - computed, end) and its
+    first `recomputed` tokens were computed before."""
+    request = served.request
+    end = request.num_computed_tokens
+    fresh_start = end - served.num_computed_tokens + served.num_recomputed_tokens
+    return max(0, min(end, request.num_prompt_tokens) - fresh_start)
+
+
+class VirtualTokenCounters:
+    """The counters and the backlogged set, with the smallest-counter tenant found through a
+    heap with lazy deletion (an entry is stale once the counter moved or the tenant left)."""
+
+    def __init__(self, config: VTCConfig) -> None:
+        self.config = config
+        self.counters: dict[Tenant, float] = {}
+        self._backlog: dict[Tenant, int] = {}  # tenant -> number of its waiting requests
+        self._heap: list[tuple[float, int, Tenant]] = []
+        self._seq = itertools.count()
+        self._last_chosen = 0.0  # the counter of the tenant most recently chosen
+
+    def weight(self, tenant: Tenant) -> float:
+        return self.config.tenant_weights.get(tenant, 1.0) if tenant is not None else 1.0
+
+    def counter(self, tenant: Tenant) -> float:
+        return self.counters.get(tenant, 0.0)
+
+    def is_backlogged(self, tenant: Tenant) -> bool:
+        return tenant in self._backlog
+
+    @property
+    def backlogged(self) -> Iterable[Tenant]:
+        return self._backlog.keys()
+
+    def add_waiting(self, tenant: Tenant) -> None:
+        """A request of `tenant` starts waiting; the lift rule applies if it was not backlogged."""
+        count = self._backlog.get(tenant, 0)
+        if count == 0:
+            floor = self.min_backlogged_counter()
+            floor = self._last_chosen if floor is None else floor
+            self.counters[tenant] = max(self.counter(tenant), floor)
+            self._push(tenant)
+        self._backlog[tenant] = count + 1
+
+    def remove_waiting(self, tenant: Tenant) -> None:
+        count = self._backlog[tenant] - 1
+        if count:
+            self._backlog[tenant] = count
+        else:
+            del self._backlog[tenant]
+
+    def charge(self, served: Sequence[ServedRequest]) -> None:
+        cfg = self.config
+        w_in, w_out = cfg.input_weight, cfg.output_weight
+        growth: dict[Tenant, float] = {}
+        for s in served:
+            request = s.request
+            tokens = w_out * s.num_output_tokens
+            # fresh_prompt_tokens(s), inlined: this loop runs for every request of every step.
+            num_prompt, end = len(request.prompt_token_ids), request.num_computed_tokens
+            fresh_start = end - s.num_computed_tokens + s.num_recomputed_tokens
+            if fresh_start < num_prompt:
+                tokens += w_in * max(0, min(end, num_prompt) - fresh_start)
+            if tokens:
+                tenant = request.hints.tenant
+                growth[tenant] = growth.get(tenant, 0.0) + tokens
+        for tenant, tokens in growth.items():
+            self.counters[tenant] = self.counter(tenant) + tokens / self.weight(tenant)
+            if tenant in self._backlog:
+                self._push(tenant)
+
+    def min_backlogged(self, among: Optional[Mapping[Tenant, object]] = None) -> Tenant:
+        """The backlogged tenant with the smallest counter (ties: the earlier entry). With
+        `among`, only tenants in it count (a scan: used for the few tenants of one band)."""
+        if among is not None:
+            return min(among, key=self.counter)
+        heap = self._heap
+        while heap:
+            value, _, tenant = heap[0]
+            if tenant in self._backlog and self.counters.get(tenant) == value:
+                return tenant
+            heapq.heappop(heap)
+        raise LookupError("no tenant is backlogged")
+
+    def min_backlogged_counter(self) -> Optional[float]:
+        if not self._backlog:
+            return None
+        return self.counter(self.min_backlogged())
+
+    def note_chosen(self, tenant: Tenant) -> None:
+        self._last_chosen = self.counter(tenant)
+
+    def _push(self, tenant: Tenant) -> None:
+        heapq.heappush(self._heap, (self.counter(tenant), next(self._seq), tenant))
+        if len(self._heap) > 4 * len(self._backlog) + 64:  # drop stale entries now and then
+            self._heap = [(self.counter(t), next(self._seq), t) for t in self._backlog]
+            heapq.heapify(self._heap)
+
+    def snapshot(self, limit: int = 64) -> dict[Tenant, float]:
+        """Counters of the backlogged tenants, smallest first (at most `limit`: bounded output)."""
+        return dict(sorted(((t, self.counter(t)) for t in self._backlog), key=lambda kv: kv[1])[:limit])

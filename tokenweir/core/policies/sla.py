@@ -1,0 +1,297 @@
+"""`sla`: adaptive priority by score (sla_score.py), with fairness, aging, hysteresis and an
+option to shed requests whose deadline has passed.
+
+Preemption ranks by the same score. Two rules keep it from thrashing:
+- hysteresis: a waiting request preempts a running one only if its score is higher by
+  `preempt_margin`;
+- protection: a request preempted `max_preemptions` (k) times is never preempted again for a
+  waiting request, so no request loses its work more than k times to others and no two
+  requests take turns preempting each other more than k times. (Under KV pressure from the
+  running requests' own growth, a protected request is chosen only when every running request
+  is protected: someone must give way.)
+A waiting request preempts only when that makes room for it: the scheduler counts the victims'
+blocks exactly before preempting anyone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+from typing import Optional
+
+from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest
+from tokenweir.core.policies.fair_share import VirtualTokenCounters
+from tokenweir.core.policies.sla_queue import SLAQueue
+from tokenweir.core.policies.sla_score import (FAIRNESS_SHORTFALL, SLAConfig, ScoreParts, due_time,
+                                               priority_class, score_parts, sigmoid, static_key, urgency)
+from tokenweir.core.queues import RequestQueue
+from tokenweir.request import Request
+
+logger = logging.getLogger("tokenweir.sla")
+
+# How many requests' most recent score parts get_stats() keeps (the last admitted and victims).
+_EXPLAINED = 64
+
+
+class SLAPolicy(SchedulingPolicy):
+    name = "sla"
+    config_class = SLAConfig
+
+    def __init__(self, config: Optional[SLAConfig] = None) -> None:
+        super().__init__(config)
+        cfg = self.config
+        self.counters = VirtualTokenCounters(cfg.vtc) if cfg.tenant_fairness else None
+        n = cfg.num_priority_classes
+        # Tokens asked for and tokens computed per class, decayed over fairness_window.
+        self._demand = [0.0] * n
+        self._served = [0.0] * n
+        self._decayed_at = 0.0
+        self.load = 0.0
+        self.load_adjustment = 1.0
+        self.fairness = [0.0] * n
+        self._now = 0.0
+        self._running_scores: dict[str, float] = {}  # this step's scores of running requests
+        self._statics: dict[str, tuple[Request, float, int, float]] = {}  # see _static
+        self._admitting: Optional[Request] = None  # popped this step, being admitted now
+        self._deadlines: list[tuple[float, int, Request]] = []  # drop_expired: who expires when
+        self._deadlines_kept = 0
+        self._seq = itertools.count()
+        self.explained: dict[str, ScoreParts] = {}
+        self._queue: Optional[SLAQueue] = None
+
+    def make_waiting_queue(self) -> RequestQueue:
+        self._queue = SLAQueue(self.config, self.counters, self._on_added, self._on_popped)
+        return self._queue
+
+    # ------------------------------------------------------------ arrivals and time
+
+    def _on_added(self, request: Request) -> None:
+        max_tokens = request.sampling_params.max_tokens or 0
+        self._demand[priority_class(request.priority, self.config.num_priority_classes)] += (
+            request.num_prompt_tokens + max_tokens)
+        if self.config.drop_expired and request.deadline is not None:
+            heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+
+    def begin_step(self, now: float, waiting: RequestQueue, running: Sequence[Request]) -> None:
+        cfg = self.config
+        self._now = now
+        self._running_scores.clear()
+        self._admitting = None
+        if len(self._statics) > 2 * len(running) + 1024:  # finished requests' entries, now and then
+            live = {r.request_id for r in running}
+            self._statics = {rid: v for rid, v in self._statics.items() if rid in live}
+        num_waiting = len(waiting)
+        total = num_waiting + len(running)
+        self.load = num_waiting / total if total else 0.0
+        self.load_adjustment = max(0.0, 1.0 + (self.load - cfg.load_threshold) * cfg.load_sensitivity)
+        self._decay(now)
+        self._update_fairness()
+        queue = self._queue
+        assert queue is not None and waiting is queue
+        queue.urgency_scale = cfg.urgency_weight * self.load_adjustment
+        queue.class_terms = self.fairness
+        queue.age(now)
+
+    def _decay(self, now: float) -> None:
+        dt = now - self._decayed_at
+        if dt <= 0:
+            return
+        factor = math.exp(-dt / self.config.fairness_window)
+        self._demand = [d * factor for d in self._demand]
+        self._served = [s * factor for s in self._served]
+        self._decayed_at = now
+
+    def _update_fairness(self) -> None:
+        cfg = self.config
+        total_demand, total_served = sum(self._demand), sum(self._served)
+        if total_demand <= 0 or total_served <= 0:
+            self.fairness = [0.0] * cfg.num_priority_classes
+            return
+        fairness = []
+        for demand, served in zip(self._demand, self._served):
+            expected, share = demand / total_demand, served / total_served
+            fairness.append(cfg.fairness_factor * (expected - share)
+                            if share < FAIRNESS_SHORTFALL * expected else 0.0)
+        self.fairness = fairness
+
+    # ------------------------------------------------------------ scores
+
+    def score(self, request: Request, now: float) -> float:
+        cfg = self.config
+        return (static_key(request, cfg) + cfg.aging_rate * now
+                + cfg.urgency_weight * self.load_adjustment * urgency(now, due_time(request), cfg.time_window)
+                + self.fairness[priority_class(request.priority, cfg.num_priority_classes)])
+
+    def explain(self, request: Request, now: float) -> ScoreParts:
+        """The score of `request` now, term by term (also kept for get_stats())."""
+        cfg = self.config
+        parts = score_parts(request, now, cfg, self.load_adjustment,
+                            self.fairness[priority_class(request.priority, cfg.num_priority_classes)])
+        explained = self.explained
+        explained.pop(request.request_id, None)  # re-inserted: the newest last
+        explained[request.request_id] = parts
+        if len(explained) > _EXPLAINED:
+            del explained[next(iter(explained))]
+        return parts
+
+    def _on_popped(self, request: Request) -> None:
+        """Explain the request whose turn it is (it may still fail to fit)."""
+        self._admitting = request
+        parts = self.explain(request, self._now)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("sla t=%.3f load=%.2f next %s: %s", self._now, self.load, request.request_id,
+                         parts.as_dict())
+
+    def _running_score(self, request: Request, now: float) -> float:
+        score = self._running_scores.get(request.request_id)
+        if score is None:
+            score = self._running_scores[request.request_id] = self.score(request, now)
+        return score
+
+    def _is_aged(self, request: Request, now: float) -> bool:
+        return now - request.arrival_time >= self.config.max_wait
+
+    # ------------------------------------------------------------ preemption
+
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        """The unprotected running request with the lowest score (then the latest arrival);
+        aged ones (waited max_wait before running) only if all others are, protected ones last.
+
+        While a waiting request is being admitted (it was just popped) the exact scores are
+        skipped when a lower bound already shows that it can preempt nobody: a running request
+        scores at least its static key plus its class's compensation plus, while decoding on
+        time (its last token at most tpot_slo ago, no earlier deadline), the urgency at
+        tpot_slo from the due time, 2 * sigmoid(-tpot_slo / window). The
+        request returned then is the one with the lowest bound, which may_preempt refuses as it
+        would refuse every other. At 256 running this keeps the policy's cost per step low."""
+        admitting = self._admitting
+        if admitting is not None and not self._is_aged(admitting, now):
+            victim, bound = self._lowest_bound(running)
+            if bound >= self.score(admitting, now) - self.config.preempt_margin:
+                return victim
+        scores = self._running_scores
+        self._score_running(running, now)
+        k, horizon = self.config.max_preemptions, now - self.config.max_wait
+        victim = min(running, key=lambda r: (r.num_preemptions >= k, r.arrival_time <= horizon,
+                                             scores[r.request_id], -r.arrival_time, r.request_id))
+        parts = self.explain(victim, now)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("sla t=%.3f victim %s: %s", now, victim.request_id, parts.as_dict())
+        return victim
+
+    def _static(self, r: Request) -> tuple[Request, float, int, float]:
+        """(request, static_key, class, the urgency floor while decoding), cached per request."""
+        static = self._statics.get(r.request_id)
+        if static is None or static[0] is not r:
+            cfg = self.config
+            tpot = r.hints.tpot_slo
+            floor = 2.0 * sigmoid(-tpot / cfg.time_window) if tpot is not None else 0.0
+            static = self._statics[r.request_id] = (
+                r, static_key(r, cfg), priority_class(r.priority, cfg.num_priority_classes), floor)
+        return static
+
+    def _lowest_bound(self, running: Sequence[Request]) -> tuple[Request, float]:
+        """The running request with the lowest lower bound of its score now, among those a
+        waiting request that is not aged may preempt (neither protected nor aged; with none,
+        an infinite bound)."""
+        cfg = self.config
+        scale, fairness, static_of = cfg.urgency_weight * self.load_adjustment, self.fairness, self._static
+        k = cfg.max_preemptions
+        lowest, victim = math.inf, running[0]
+        now = self._now
+        horizon = now - cfg.max_wait
+        for r in running:
+            if r.num_preemptions >= k or r.arrival_time <= horizon:
+                continue  # may_preempt refuses these
+            _, key, cls, floor = static_of(r)
+            bound = key + fairness[cls]
+            if floor and r.first_token_time is not None:
+                h = r.hints
+                due = r.last_token_time + h.tpot_slo
+                if due >= now and (h.deadline is None or r.arrival_time + h.deadline >= due):
+                    bound += scale * floor  # |now - due| <= tpot_slo
+            if bound < lowest:
+                lowest, victim = bound, r
+        return victim, lowest + cfg.aging_rate * self._now
+
+    def _score_running(self, running: Sequence[Request], now: float) -> None:
+        """self.score() for every running request not yet scored this step, inlined."""
+        cfg = self.config
+        scores, static_of = self._running_scores, self._static
+        scale, window, fairness = cfg.urgency_weight * self.load_adjustment, cfg.time_window, self.fairness
+        common = cfg.aging_rate * now
+        for r in running:
+            rid = r.request_id
+            if rid in scores:
+                continue
+            _, key, cls, _ = static_of(r)
+            h = r.hints
+            due = math.inf if h.deadline is None else r.arrival_time + h.deadline
+            if r.first_token_time is None:
+                if h.ttft_slo is not None:
+                    due = min(due, r.arrival_time + h.ttft_slo)
+            elif h.tpot_slo is not None:
+                due = min(due, r.last_token_time + h.tpot_slo)
+            score = key + common + fairness[cls]
+            if due != math.inf:
+                score += scale * 2.0 * sigmoid(-abs(now - due) / window)
+            scores[rid] = score
+
+    def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:
+        if victim.num_preemptions >= self.config.max_preemptions:
+            return False
+        # The wait bound: an aged request displaces any younger unprotected one, and is
+        # displaced by no younger one.
+        if self._is_aged(waiting, now):
+            return victim.arrival_time > waiting.arrival_time
+        if self._is_aged(victim, now):
+            return False
+        return self.score(waiting, now) > self._running_score(victim, now) + self.config.preempt_margin
+
+    # ------------------------------------------------------------ feedback and shedding
+
+    def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
+        n = self.config.num_priority_classes
+        served_tokens = self._served
+        for s in served:
+            priority = s.request.hints.priority
+            cls = 0 if priority <= 0 else (priority if priority < n else n - 1)
+            served_tokens[cls] += s.num_computed_tokens - s.num_recomputed_tokens
+        if self.counters is not None:
+            self.counters.charge(served)
+
+    def take_expired(self, now: float) -> list[tuple[Request, str]]:
+        if not self.config.drop_expired:
+            return []
+        expired = []
+        heap = self._deadlines
+        while heap and heap[0][0] <= now:
+            deadline, _, request = heapq.heappop(heap)
+            if not request.is_finished:
+                expired.append((request, f"deadline exceeded: the request's deadline of "
+                                         f"{request.hints.deadline * 1000:.0f} ms passed "
+                                         f"{(now - deadline) * 1000:.0f} ms ago, before it finished"))
+        if len(heap) > 2 * self._deadlines_kept + 64:  # finished requests' entries, now and then
+            self._deadlines = [item for item in heap if not item[2].is_finished]
+            heapq.heapify(self._deadlines)
+            self._deadlines_kept = len(self._deadlines)
+        return expired
+
+    def get_stats(self) -> dict[str, object]:
+        stats: dict[str, object] = {
+            "load": self.load, "load_adjustment": self.load_adjustment,
+            "class_fairness": list(self.fairness),
+            "class_served_share": _shares(self._served), "class_demand_share": _shares(self._demand),
+            "scores": dict(self.explained),  # request id -> ScoreParts, the latest explained
+        }
+        if self.counters is not None:
+            stats["tenant_counters"] = self.counters.snapshot()
+        return stats
+
+
+def _shares(values: list[float]) -> list[float]:
+    total = sum(values)
+    return [v / total if total > 0 else 0.0 for v in values]

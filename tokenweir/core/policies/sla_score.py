@@ -1,0 +1,175 @@
+"""The adaptive priority score of `sla` (seed 003 §3.1), its knobs and its parts.
+
+Higher scores are served first and preempted last:
+
+    score = -priority * base_weight                       (vLLM's sense: smaller is more important)
+          + urgency * load_adjustment * urgency_weight
+          - log(prompt + max_tokens) / resource_scale * resource_weight   (shorter first)
+          + fairness compensation of the request's priority class
+          + aging_rate * (now - arrival)
+
+- urgency = 2 * sigmoid(-|now - due| / time_window), due the earliest of: the deadline;
+  arrival + ttft_slo before the first token; the last token + tpot_slo while decoding. 1 at the
+  due time, 0.54 one window before (or after), towards 0 with slack to spare; 0 without any
+  SLO. It fades again once the due time has passed: a request that has missed its SLO gains
+  nothing from going first, and under overload every waiting request is late, so an urgency
+  that stayed high (the seed's sigmoid, which also had its sign reversed) would put the
+  hopeless ahead of those that can still make it. Aging and max_wait still bound its wait.
+- load_adjustment = max(0, 1 + (load - load_threshold) * load_sensitivity), load the share of
+  unfinished requests that wait (the queue depth the policy sees), so urgency weighs more when
+  a queue builds.
+- fairness compensation of class c = fairness_factor * (expected_c - served_c) when
+  served_c < 0.8 * expected_c, else 0; served_c is the class's share of the tokens computed and
+  expected_c its share of the tokens asked for, both decayed over `fairness_window` seconds.
+- aging grows the score of every request alike, so it keeps order among requests of one kind
+  and lets an old request overtake newer, more important ones; in addition a request that has
+  waited `max_wait` seconds is served before every request that has not, oldest first: that
+  bounds every wait, whatever the weights and priorities (a hard guarantee the sum of bounded
+  terms cannot give when priorities span 2**32).
+
+Requests are grouped into `num_priority_classes` classes (priority clamped to [0, n-1]): the
+unit of fairness compensation and of the per-class metrics, so label cardinality is bounded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+
+from tokenweir.checks import is_finite_number, is_integer
+from tokenweir.core.policies.base import PolicyConfig
+from tokenweir.core.policies.fair_share import VTCConfig
+from tokenweir.request import Request
+
+# Below the served share 0.8 x the expected share a class gets compensation (the seed's rule).
+FAIRNESS_SHORTFALL = 0.8
+# exp() of the sigmoid argument is clamped here: beyond it the sigmoid is 0 or 1 in floats.
+_SIGMOID_CLAMP = 60.0
+
+
+@dataclass(frozen=True)
+class SLAConfig(PolicyConfig):
+    base_weight: float = 1.0  # score per priority level
+    urgency_weight: float = 2.0  # the urgency term at the due time (load adjustment 1)
+    time_window: float = 1.0  # seconds: the sigmoid's scale (one window from due: urgency 0.54)
+    resource_weight: float = 0.1
+    resource_scale: float = 10.0  # log(tokens) is divided by it (log(4096) / 10 = 0.83)
+    load_threshold: float = 0.5  # load (share of unfinished requests waiting) of adjustment 1
+    load_sensitivity: float = 1.0
+    fairness_factor: float = 1.0
+    fairness_window: float = 30.0  # seconds over which class shares decay
+    # Score per second waited (one priority level per 1000 s): a tie-breaker among equals. A
+    # strong rate lets a backlog of old low-priority requests outrank every new important one
+    # under sustained overload; the wait bound is max_wait's job.
+    aging_rate: float = 0.001
+    max_wait: float = 600.0  # seconds: after this a request is served before all younger ones
+    # A waiting request preempts only a victim scored this much lower: about the urgency swing
+    # between two requests of one kind, one at its due time and one on time (urgency_weight *
+    # (1 - 0.5) * load adjustment up to 1.5), so that a late request displaces a less important
+    # one, rarely one of its own kind.
+    preempt_margin: float = 1.5
+    max_preemptions: int = 2  # k: a request preempted k times is not preempted for another
+    drop_expired: bool = False  # finish requests whose deadline has passed (overload shedding)
+    num_priority_classes: int = 4
+    tenant_fairness: bool = False  # within a class, tenants by VTC (band -> tenant -> score)
+    vtc: VTCConfig = field(default_factory=VTCConfig)
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("float", float) and not is_finite_number(value):
+                raise ValueError(f"sla {f.name} must be a finite number, got {value!r}")
+        for name in ("base_weight", "urgency_weight", "resource_weight", "load_sensitivity",
+                     "fairness_factor", "aging_rate", "preempt_margin", "load_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"sla {name} must be >= 0, got {getattr(self, name)!r}")
+        for name in ("time_window", "resource_scale", "fairness_window", "max_wait"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"sla {name} must be > 0, got {getattr(self, name)!r}")
+        for name, minimum in (("max_preemptions", 0), ("num_priority_classes", 1)):
+            value = getattr(self, name)
+            if not is_integer(value) or value < minimum:
+                raise ValueError(f"sla {name} must be an integer >= {minimum}, got {value!r}")
+        for name in ("drop_expired", "tenant_fairness"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"sla {name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.vtc, VTCConfig):
+            raise ValueError(f"sla vtc must be a VTCConfig, got {type(self.vtc).__name__}")
+
+
+def priority_class(priority: int, num_classes: int) -> int:
+    """The bounded class of a priority: <= 0 is class 0, >= n-1 the last."""
+    return 0 if priority <= 0 else min(priority, num_classes - 1)
+
+
+def urgency(now: float, due: float, window: float) -> float:
+    """2 * sigmoid(-|now - due| / window): 1 at the due time; 0 without one (due = inf)."""
+    if due == math.inf:
+        return 0.0
+    return 2.0 * sigmoid(-abs(now - due) / window)
+
+
+def sigmoid(x: float) -> float:
+    if x < -_SIGMOID_CLAMP:
+        x = -_SIGMOID_CLAMP
+    elif x > _SIGMOID_CLAMP:
+        x = _SIGMOID_CLAMP
+    return 1.0 / (1.0 + math.exp(-x))
+
+
+def due_time(request: Request) -> float:
+    """When the request's next SLO falls due (inf without one)."""
+    due = math.inf
+    if request.deadline is not None:
+        due = request.deadline
+    if request.first_token_time is None:
+        if request.ttft_slo is not None:
+            due = min(due, request.arrival_time + request.ttft_slo)
+    elif request.tpot_slo is not None and request.last_token_time is not None:
+        due = min(due, request.last_token_time + request.tpot_slo)
+    return due
+
+
+def static_key(request: Request, cfg: SLAConfig) -> float:
+    """The score's part that does not change while the request waits, with aging counted from
+    time 0: score = static_key + aging_rate * now + urgency part + class terms."""
+    max_tokens = request.sampling_params.max_tokens or 0
+    resource = math.log(request.num_prompt_tokens + max_tokens) / cfg.resource_scale
+    return (-cfg.base_weight * request.priority - cfg.resource_weight * resource
+            - cfg.aging_rate * request.arrival_time)
+
+
+@dataclass(frozen=True)
+class ScoreParts:
+    """One request's score, term by term (what debug logs and get_stats() show)."""
+
+    base: float  # -priority * base_weight
+    urgency: float  # 0..1, 1 at the due time
+    load_adjustment: float
+    urgency_term: float  # urgency * load_adjustment * urgency_weight
+    resource: float  # log(prompt + max_tokens) / resource_scale
+    resource_term: float  # -resource * resource_weight
+    fairness: float  # the class's compensation
+    aging: float  # aging_rate * (now - arrival)
+    total: float
+    priority_class: int
+    aged: bool  # waited max_wait: served before all that have not
+
+    def as_dict(self) -> dict[str, object]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def score_parts(request: Request, now: float, cfg: SLAConfig, load_adjustment: float,
+                fairness: float) -> ScoreParts:
+    base = -cfg.base_weight * request.priority
+    urgency_value = urgency(now, due_time(request), cfg.time_window)
+    urgency_term = urgency_value * load_adjustment * cfg.urgency_weight
+    max_tokens = request.sampling_params.max_tokens or 0
+    resource = math.log(request.num_prompt_tokens + max_tokens) / cfg.resource_scale
+    resource_term = -cfg.resource_weight * resource
+    wait = now - request.arrival_time
+    aging = cfg.aging_rate * wait
+    total = base + urgency_term + resource_term + fairness + aging
+    return ScoreParts(base, urgency_value, load_adjustment, urgency_term, resource, resource_term, fairness,
+                      aging, total, priority_class(request.priority, cfg.num_priority_classes),
+                      wait >= cfg.max_wait)

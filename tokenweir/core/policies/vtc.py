@@ -1,0 +1,89 @@
+"""`vtc`: per-tenant fair share by Virtual Token Counters (see fair_share.py).
+
+Admission takes the backlogged tenant with the smallest counter, and within a tenant the
+earliest arrival. The victim under KV pressure is the latest arrival of the running tenant with
+the largest counter. A waiting request never preempts a running one for fairness: VTC shares by
+admission order, and preempting for it would charge recomputation to nobody and thrash.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest
+from tokenweir.core.policies.fair_share import Tenant, VirtualTokenCounters, VTCConfig
+from tokenweir.core.queues import RequestQueue
+from tokenweir.request import Request
+
+
+class TenantQueue(RequestQueue):
+    """One FIFO per tenant; `pop` takes from the tenant the counters say is furthest behind."""
+
+    def __init__(self, counters: VirtualTokenCounters) -> None:
+        self.counters = counters
+        self._queues: dict[Tenant, deque[Request]] = {}
+        self._len = 0
+
+    def _put(self, request: Request, front: bool) -> None:
+        tenant = request.tenant
+        queue = self._queues.get(tenant)
+        if queue is None:
+            queue = self._queues[tenant] = deque()
+        queue.appendleft(request) if front else queue.append(request)
+        self.counters.add_waiting(tenant)
+        self._len += 1
+
+    def add(self, request: Request) -> None:
+        self._put(request, front=False)
+
+    def push_front(self, request: Request) -> None:
+        self._put(request, front=True)
+
+    def _take(self, tenant: Tenant, request: Request | None = None) -> Request:
+        queue = self._queues[tenant]
+        if request is None:
+            request = queue.popleft()
+        else:
+            queue.remove(request)  # O(tenant's queue), only on abort
+        if not queue:
+            del self._queues[tenant]
+        self.counters.remove_waiting(tenant)
+        self._len -= 1
+        return request
+
+    def pop(self) -> Request:
+        tenant = self.counters.min_backlogged()
+        self.counters.note_chosen(tenant)
+        return self._take(tenant)
+
+    def remove(self, request: Request) -> None:
+        self._take(request.tenant, request)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __iter__(self) -> Iterator[Request]:
+        return (r for q in self._queues.values() for r in q)
+
+
+class VTCPolicy(SchedulingPolicy):
+    name = "vtc"
+    config_class = VTCConfig
+
+    def __init__(self, config: VTCConfig | None = None) -> None:
+        super().__init__(config)
+        self.counters = VirtualTokenCounters(self.config)
+
+    def make_waiting_queue(self) -> RequestQueue:
+        return TenantQueue(self.counters)
+
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        counter = self.counters.counter
+        return max(running, key=lambda r: (counter(r.tenant), r.arrival_time, r.request_id))
+
+    def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
+        self.counters.charge(served)
+
+    def get_stats(self) -> dict[str, object]:
+        return {"tenant_counters": self.counters.snapshot()}
