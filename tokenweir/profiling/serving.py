@@ -44,13 +44,13 @@ def region_of(comp: StepComposition) -> str:
     return "prefill" if not comp.num_decode_seqs else "mixed"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 600) -> None:
+def wait_healthy(url: str, server: subprocess.Popen, timeout_s: float = 600) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -104,7 +104,7 @@ def profile_serving(args: EngineArgs, quick: bool = False) -> tuple[dict, str]:
 
     work = Path(tempfile.mkdtemp(prefix="tokenweir-profile-"))
     trace = work / "steps.jsonl"
-    port = _free_port()
+    port = free_port()
     base_url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [sys.executable, "-m", "tokenweir.cli", "serve", "--port", str(port), "--step-trace", str(trace),
@@ -113,7 +113,7 @@ def profile_serving(args: EngineArgs, quick: bool = False) -> tuple[dict, str]:
         env={**os.environ})
     start = time.perf_counter()
     try:
-        _wait_healthy(base_url, server)
+        wait_healthy(base_url, server)
         _load(base_url, quick, metadata["model_path"])
     finally:
         server.terminate()

@@ -47,36 +47,31 @@ def find_capacity(passes: Callable[[float], tuple[bool, float]], start: float,
     if not start > 0:
         raise ValueError(f"search start rate must be > 0, got {start}")
     runs = 0
+    passing: tuple[float, float] | None = None  # (rate, score) of the highest rate that passed
+    failing: float | None = None  # the lowest rate that failed
+
+    def probe(rate: float) -> None:
+        nonlocal runs, passing, failing
+        ok, score = passes(rate)
+        runs += 1
+        if ok:
+            passing = (rate, score)
+        else:
+            failing = rate if failing is None else min(failing, rate)
+
     rate = start
-    while True:
-        ok, score = passes(rate)
-        runs += 1
-        if ok:
-            low, low_score = rate, score
-            break
+    while passing is None:  # halve until a rate passes
+        probe(rate)
         rate /= 2
-        if rate < start / 1024:
-            return 0.0, score, runs
-    high = None
-    while high is None:
-        rate = low * 2
-        if rate > max_rate:
-            return low, low_score, runs
-        ok, score = passes(rate)
-        runs += 1
-        if ok:
-            low, low_score = rate, score
-        else:
-            high = rate
+        if passing is None and rate < start / 1024:
+            return 0.0, 0.0, runs
+    while failing is None:  # double until one fails
+        if passing[0] * 2 > max_rate:
+            return passing[0], passing[1], runs
+        probe(passing[0] * 2)
     for _ in range(iterations):
-        mid = (low + high) / 2
-        ok, score = passes(mid)
-        runs += 1
-        if ok:
-            low, low_score = mid, score
-        else:
-            high = mid
-    return low, low_score, runs
+        probe((passing[0] + failing) / 2)
+    return passing[0], passing[1], runs
 
 
 class GoodputCriterion:
