@@ -303,6 +303,33 @@ def test_auto_prices_the_prefix_other_requests_hold_as_cached(make_scheduler):
     run_steps(s, runner, start=2)
 
 
+def test_a_victim_of_a_step_that_swapped_in_is_recomputed(make_scheduler):
+    """A scenario (found by search): in step 6 r0 swaps back in, then the high-priority r1,
+    older than nothing swapped, preempts to be admitted. Its victim is recomputed: a swap-out
+    in that step could take the very blocks the swap-in copies from or into."""
+    s = make_scheduler(num_blocks=3, block_size=4, policy="priority", preemption_mode="swap",
+                       num_host_blocks=32)
+    runner = PagedFakeRunner(4)
+    specs = {1: ("r2", 10, 5, 1, 2.0), 2: ("r0", 8, 4, 0, 0.0), 5: ("r1", 7, 9, 0, 3.0)}
+    reqs, mixed_steps, t = [], [], 0
+    while t < 100 and (len(reqs) < len(specs) or s.has_unfinished_requests()):
+        if t in specs:
+            rid, prompt, max_tokens, priority, arrival = specs[t]
+            reqs.append(make_request(rid, prompt, max_tokens=max_tokens, priority=priority, arrival_time=arrival))
+            s.add_request(reqs[-1])
+        out = s.schedule(now=float(t))
+        if out.blocks_to_swap_in and out.preempted_req_ids:
+            mixed_steps.append({rid: s.requests[rid].status for rid in out.preempted_req_ids})
+        s.update_from_output(out, runner.execute(out), now=float(t))  # refuses both ways
+        t += 1
+    assert mixed_steps, "the scenario no longer preempts in a step that swapped in"
+    assert all(status == RequestStatus.PREEMPTED for step_ in mixed_steps for status in step_.values())
+    max_tokens = {rid: n for rid, _, n, *_ in specs.values()}
+    for r in reqs:  # r2 reaches the pool's 12 tokens first
+        n = max_tokens[r.request_id] if r.num_tokens < s.max_model_len else r.num_output_tokens
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, n)
+
+
 def test_an_fcfs_swapped_queue_returns_requests_in_arrival_order(make_scheduler):
     s = make_scheduler(num_blocks=9, block_size=4, preemption_mode="swap", num_host_blocks=32)
     runner = PagedFakeRunner(4)
