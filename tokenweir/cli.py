@@ -1,4 +1,4 @@
-"""`tokenweir serve | generate | bench serve`. Engine flags use vLLM's names (--max-num-seqs)."""
+"""`tokenweir serve | generate | profile | simulate [search] | bench serve`. Engine flags use vLLM's names (--max-num-seqs)."""
 
 from __future__ import annotations
 
@@ -18,24 +18,49 @@ def _flag_type(annotation: Any) -> Any:
     return str if str in kinds else kinds[0]
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False,
+                    skip: frozenset[str] = frozenset()) -> None:
     """One flag per EngineArgs field, with the field's type, default and help, so the flags
-    cannot drift from the dataclass. Switches take vLLM's form: --enable-x / --no-enable-x."""
+    cannot drift from the dataclass. Switches take vLLM's form: --enable-x / --no-enable-x.
+    With `sweep`, every other flag takes a comma-separated list of values to try. Fields in
+    `skip` get no flag (their default is used)."""
     hints = typing.get_type_hints(EngineArgs)
     defaults = EngineArgs()  # also right for fields with a default_factory
-    group = parser.add_argument_group("engine")
+    group = parser.add_argument_group("engine" + (" (comma-separated values are swept)" if sweep else ""))
     for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
         flag = "--" + f.name.replace("_", "-")
         kind = _flag_type(hints[f.name])
         default, help_text = getattr(defaults, f.name), f.metadata.get("help", "")
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        elif sweep:
+            group.add_argument(flag, type=_sweep_type(kind, flag), default=[default], help=help_text)
         else:
             group.add_argument(flag, type=kind, default=default, help=help_text)
 
 
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names()})
+def _sweep_type(kind: Any, flag: str) -> Any:
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(v.strip()) for v in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated {kind.__name__} values, "
+                                             f"got {text!r}") from None
+    return parse
+
+
+def engine_args_from(ns: argparse.Namespace, skip: frozenset[str] = frozenset()) -> EngineArgs:
+    return EngineArgs(**{name: getattr(ns, name) for name in EngineArgs.field_names() if name not in skip})
+
+
+def engine_sweep_from(ns: argparse.Namespace) -> tuple[EngineArgs, dict[str, list[Any]]]:
+    """The base args (single values) and the swept ones (flags given several values)."""
+    values = {name: getattr(ns, name) for name in EngineArgs.field_names() if name not in SIM_SKIPPED_ENGINE_ARGS}
+    lists = {k: v for k, v in values.items() if isinstance(v, list) and len(v) > 1}
+    base = {k: (v[0] if isinstance(v, list) else v) for k, v in values.items()}
+    return EngineArgs(**base), lists
 
 
 def _generate(ns: argparse.Namespace) -> int:
@@ -64,6 +89,55 @@ def _serve(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _profile(ns: argparse.Namespace) -> int:
+    from tokenweir.profiling import profile
+
+    return profile.main(ns, engine_args_from(ns))
+
+
+# In `simulate`, --seed is the workload's seed (as in `bench serve`); the engine's seed would
+# change nothing there, since simulated tokens are not sampled from a model.
+SIM_SKIPPED_ENGINE_ARGS = frozenset({"seed"})
+
+
+def _simulate(ns: argparse.Namespace) -> int:
+    if ns.simulate_command == "search":
+        from tokenweir.sim import search
+
+        base, lists = engine_sweep_from(ns)
+        search.main(ns, base, lists)
+    else:
+        from tokenweir.sim import run
+
+        run.main(ns, engine_args_from(ns, SIM_SKIPPED_ENGINE_ARGS))
+    return 0
+
+
+def _add_simulate_parser(sub: Any) -> None:
+    from tokenweir.bench import serve as bench_serve
+    from tokenweir.sim.run import add_sim_args
+
+    sim = sub.add_parser("simulate", help="replay a bench-serve workload through a simulated engine "
+                                          "(the real scheduler, step times from a cost profile)")
+    add_engine_args(sim, skip=SIM_SKIPPED_ENGINE_ARGS)
+    bench_serve.add_workload_args(sim)
+    bench_serve.add_result_args(sim)
+    add_sim_args(sim)
+    sim.set_defaults(func=_simulate, simulate_command=None)
+    search = sim.add_subparsers(dest="simulate_command").add_parser(
+        "search", help="the highest request rate each engine configuration sustains under SLOs")
+    add_engine_args(search, sweep=True, skip=SIM_SKIPPED_ENGINE_ARGS)
+    bench_serve.add_workload_args(search)
+    bench_serve.add_result_args(search)
+    add_sim_args(search)
+    search.add_argument("--attainment", type=float, default=0.9,
+                        help="fraction of requests that must meet every --goodput SLO")
+    search.add_argument("--start-rate", type=float, default=None,
+                        help="first rate tried (default: --rate-scale for the trace, else 1 req/s)")
+    search.add_argument("--search-iterations", type=int, default=6,
+                        help="bisection steps after the doubling phase")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenweir", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -85,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_server_args(serve)
     serve.set_defaults(func=_serve)
+
+    prof = sub.add_parser("profile", help="measure this device's step times and fit the simulator's cost model")
+    from tokenweir.profiling import profile as profile_cmd
+
+    profile_cmd.add_cli_args(prof)
+    add_engine_args(prof)
+    prof.set_defaults(func=_profile)
+
+    _add_simulate_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_command", required=True)
     from tokenweir.bench import serve as bench_serve

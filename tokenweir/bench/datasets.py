@@ -52,6 +52,10 @@ class BenchRequest:
     # Total input tokens count this length, not the server's usage.prompt_tokens.
     prompt_len: int
     output_len: int
+    # The prompt as token ids, for the simulator (a server tokenizes the text itself): the
+    # tokenizer's ids, or without one each filler word's index in FILLER_WORDS, so prompts
+    # that share words share ids and a simulated prefix cache hits where a real one would.
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,23 +72,23 @@ class PromptBuilder:
         self._rng = rng
         self._tokenizer = tokenizer
 
-    def build(self, num_tokens: int) -> tuple[str, int]:
-        """Return (prompt text, its length in tokens)."""
-        words = self._rng.choice(FILLER_WORDS, size=num_tokens)
-        text = " ".join(words)
+    def build(self, num_tokens: int) -> tuple[str, tuple[int, ...]]:
+        """Return (prompt text, its token ids)."""
+        words = self._rng.choice(len(FILLER_WORDS), size=num_tokens)
+        text = " ".join([FILLER_WORDS[w] for w in words])
         if self._tokenizer is None:
-            return text, num_tokens
+            return text, tuple(words.tolist())
         # Every filler word is at least one token, so truncating the ids hits the target;
         # re-encoding the decoded text measures what the server will actually see.
         ids = self._tokenizer.encode(text, add_special_tokens=False)[:num_tokens]
         text = self._tokenizer.decode(ids)
-        return text, self.count_tokens(text, num_tokens)
+        return text, self.encode(text, ())
 
-    def count_tokens(self, text: str, nominal: int) -> int:
-        """Exact length with a tokenizer; without one, the nominal length is all we know."""
+    def encode(self, text: str, nominal: tuple[int, ...]) -> tuple[int, ...]:
+        """The text's exact ids with a tokenizer; without one, the ids it was built from."""
         if self._tokenizer is None:
             return nominal
-        return len(self._tokenizer.encode(text, add_special_tokens=False))
+        return tuple(self._tokenizer.encode(text, add_special_tokens=False))
 
 
 def sample_lengths(mean_len: int, range_ratio: float, num: int,
@@ -103,8 +107,8 @@ def make_random_requests(num: int, input_len: int, output_len: int, range_ratio:
     output_lens = sample_lengths(output_len, range_ratio, num, rng)
     requests = []
     for n_in, n_out in zip(input_lens, output_lens):
-        prompt, prompt_len = builder.build(int(n_in))
-        requests.append(BenchRequest(prompt, prompt_len, int(n_out)))
+        prompt, ids = builder.build(int(n_in))
+        requests.append(BenchRequest(prompt, len(ids), int(n_out), ids))
     return requests
 
 
@@ -112,15 +116,15 @@ def make_prefix_requests(num: int, prefix_len: int, suffix_len: int, output_len:
                          range_ratio: float, builder: PromptBuilder,
                          rng: np.random.Generator) -> list[BenchRequest]:
     """One common prefix (a long system prompt, say) followed by a unique suffix per request."""
-    prefix, prefix_tokens = builder.build(prefix_len)
+    prefix, prefix_ids = builder.build(prefix_len)
     output_lens = sample_lengths(output_len, range_ratio, num, rng)
     requests = []
     for n_out in output_lens:
-        suffix, suffix_tokens = builder.build(suffix_len)
+        suffix, suffix_ids = builder.build(suffix_len)
         prompt = f"{prefix} {suffix}"
-        # Measure the joined text: with a tokenizer a token may merge across the boundary.
-        prompt_len = builder.count_tokens(prompt, prefix_tokens + suffix_tokens)
-        requests.append(BenchRequest(prompt, prompt_len, int(n_out)))
+        # Encode the joined text: with a tokenizer a token may merge across the boundary.
+        ids = builder.encode(prompt, prefix_ids + suffix_ids)
+        requests.append(BenchRequest(prompt, len(ids), int(n_out), ids))
     return requests
 
 
@@ -157,6 +161,6 @@ def read_trace(path: Path, num: int, rate_scale: float = 1.0,
 def make_trace_requests(rows: list[TraceRow], builder: PromptBuilder) -> list[BenchRequest]:
     requests = []
     for row in rows:
-        prompt, prompt_len = builder.build(row.prompt_len)
-        requests.append(BenchRequest(prompt, prompt_len, row.output_len))
+        prompt, ids = builder.build(row.prompt_len)
+        requests.append(BenchRequest(prompt, len(ids), row.output_len, ids))
     return requests

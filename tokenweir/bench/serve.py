@@ -56,6 +56,16 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="model name to send; default: the first one GET /v1/models lists")
     parser.add_argument("--api-key", default=None,
                         help="bearer token; default: $OPENAI_API_KEY")
+    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                        help="send ignore_eos (a vLLM extension, not OpenAI's) so every output has the "
+                             "requested length")
+    add_workload_args(parser)
+    add_result_args(parser)
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """What is sent and when: shared by `bench serve` and `simulate`, so both replay the very
+    same requests for the same flags."""
     parser.add_argument("--tokenizer", default=None,
                         help="Hugging Face tokenizer folder for exact prompt lengths; without "
                              "it prompts are filler words counted as one token each")
@@ -66,18 +76,6 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         help="gamma shape of inter-arrival gaps; 1 = Poisson, <1 burstier")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
-                        help="send ignore_eos (a vLLM extension, not OpenAI's) so every output has the "
-                             "requested length")
-    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
-                        help="SLOs a request must all meet to count, e.g. ttft:500 tpot:50; "
-                             f"metrics: {', '.join(SLO_NAMES)}")
-    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    parser.add_argument("--metric-percentiles", default="50,90,99")
-    parser.add_argument("--save-result", action="store_true")
-    parser.add_argument("--result-dir", default=".")
-    parser.add_argument("--result-filename", default=None,
-                        help="JSON file name (giving one also turns on --save-result)")
 
     data = parser.add_argument_group("datasets")
     data.add_argument("--dataset-name", choices=("random", "prefix", "trace"), default="random")
@@ -96,6 +94,19 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                       help="trace: multiply the arrival rate (arrival times are divided by it)")
     data.add_argument("--max-input-len", type=int, default=None, help="trace: cap prompt lengths")
     data.add_argument("--max-output-len", type=int, default=None, help="trace: cap output lengths")
+
+
+def add_result_args(parser: argparse.ArgumentParser) -> None:
+    """How results are scored and saved: shared by `bench serve` and `simulate`."""
+    parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                        help="SLOs a request must all meet to count, e.g. ttft:500 tpot:50; "
+                             f"metrics: {', '.join(SLO_NAMES)}")
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    parser.add_argument("--metric-percentiles", default="50,90,99")
+    parser.add_argument("--save-result", action="store_true")
+    parser.add_argument("--result-dir", default=".")
+    parser.add_argument("--result-filename", default=None,
+                        help="JSON file name (giving one also turns on --save-result)")
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:
@@ -186,21 +197,32 @@ async def run_requests(session: aiohttp.ClientSession, url: str, headers: dict[s
     return list(records), time.perf_counter() - start
 
 
-def _load_tokenizer(path: str | None) -> Tokenizer | None:
+def request_rate_field(args: argparse.Namespace) -> float | str:
+    """The result's `request_rate`: a label, not a float, for inf and the trace (strict JSON
+    has no Infinity; vLLM writes "inf")."""
+    if args.dataset_name == "trace":
+        return "trace"
+    if math.isinf(args.request_rate):
+        return "inf"
+    return args.request_rate
+
+
+def load_tokenizer(path: str | None) -> Tokenizer | None:
     if path is None:
         return None
     from transformers import AutoTokenizer  # heavy import, only when asked for
     return AutoTokenizer.from_pretrained(path)
 
 
-def _result_path(args: argparse.Namespace, model: str, rate_label: str) -> Path:
+def result_path(args: argparse.Namespace, model: str, rate_label: str,
+                kind: str = "tokenweir") -> Path:
     name = args.result_filename
     if name is None:
         load = (f"x{args.rate_scale:g}" if args.dataset_name == "trace"
                 else f"{rate_label}qps")
         concurrency = f"-concurrency{args.max_concurrency}" if args.max_concurrency else ""
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
-        name = (f"tokenweir-{args.dataset_name}-{load}{concurrency}-"
+        name = (f"{kind}-{args.dataset_name}-{load}{concurrency}-"
                 f"{model.rstrip('/').split('/')[-1]}-{stamp}.json")
     return Path(args.result_dir) / name
 
@@ -217,7 +239,7 @@ async def _benchmark(args: argparse.Namespace) -> dict:
     slos = parse_goodput(args.goodput)
     selected = parse_selected_metrics(args.percentile_metrics)
     percentiles = parse_percentiles(args.metric_percentiles)
-    workload = build_workload(args, _load_tokenizer(args.tokenizer))
+    workload = build_workload(args, load_tokenizer(args.tokenizer))
     base_url = args.base_url.rstrip("/")
     # Read the environment at run time, not when the parser is built.
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
@@ -234,12 +256,7 @@ async def _benchmark(args: argparse.Namespace) -> dict:
                                                payloads, workload, args.max_concurrency)
 
     metrics = compute_metrics(records, duration, percentiles, slos)
-    # A label, not a float, for inf and the trace: strict JSON has no Infinity (vLLM writes "inf").
-    rate: float | str = args.request_rate
-    if args.dataset_name == "trace":
-        rate = "trace"
-    elif math.isinf(args.request_rate):
-        rate = "inf"
+    rate = request_rate_field(args)
     rate_label = rate if isinstance(rate, str) else f"{rate:g}"
     print(format_table(metrics, selected, args.max_concurrency, rate_label))
     result = {
@@ -268,7 +285,7 @@ async def _benchmark(args: argparse.Namespace) -> dict:
         result["trace_path"] = str(args.trace_path)
         result["rate_scale"] = args.rate_scale
     if args.save_result or args.result_filename:
-        path = _result_path(args, model, rate_label)
+        path = result_path(args, model, rate_label)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result, indent=2))
         print(f"Saved result to {path}", file=sys.stderr)

@@ -1,0 +1,133 @@
+"""The simulator drives the real scheduler in virtual time: hand-computed latencies, conservation,
+no leaks, determinism, client limits and aborts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.core.helpers import assert_no_leaks
+from tests.sim.helpers import cost_model
+from tokenweir.config import EngineArgs
+from tokenweir.sim.simulator import SimRequest, Simulator
+
+
+def make_sim(model=None, **engine_kwargs) -> Simulator:
+    return Simulator.from_engine_args(EngineArgs(**engine_kwargs), model or cost_model(step=0.1))
+
+
+def req(rid: str, prompt_len: int, output_len: int, at: float, **kw) -> SimRequest:
+    base = 1000 * (1 + sum(map(ord, rid)))  # distinct ids per request: no prefix hits
+    return SimRequest(rid, list(range(base, base + prompt_len)), output_len, at, **kw)
+
+
+def test_hand_computed_latencies_with_a_constant_step_time() -> None:
+    # Every step takes 0.1 s. A (t=0, 8-token prompt, 3 tokens): steps end at 0.1, 0.2, 0.3.
+    # B arrives at 0.15, during A's second step, so the engine first sees it at 0.2; its prompt
+    # runs in the step ending 0.3 (TTFT 0.15) and its second token in the one ending 0.4.
+    sim = make_sim()
+    result = sim.run([req("a", 8, 3, 0.0), req("b", 4, 2, 0.15)])
+    a, b = result.records
+    assert (a.ttft, a.latency, a.output_tokens) == pytest.approx((0.1, 0.3, 3))
+    assert a.itl == pytest.approx([0.1, 0.1]) and a.tpot == pytest.approx(0.1)
+    assert (b.ttft, b.latency, b.output_tokens) == pytest.approx((0.15, 0.25, 2))
+    assert b.tpot == pytest.approx(0.1)
+    assert result.num_steps == 4 and result.duration_s == pytest.approx(0.4)
+    assert_no_leaks(sim.scheduler)
+
+
+def test_step_time_follows_the_cost_model_of_each_steps_composition() -> None:
+    # 1 ms per token: the 100-token prompt's step takes 0.1 s, each decode step 1 ms.
+    sim = make_sim(cost_model(tokens=0.001))
+    (r,) = sim.run([req("a", 100, 5, 0.0)]).records
+    assert r.ttft == pytest.approx(0.1) and r.itl == pytest.approx([0.001] * 4)
+
+
+def test_idle_engine_waits_for_the_next_arrival() -> None:
+    sim = make_sim()
+    result = sim.run([req("a", 4, 1, 0.0), req("b", 4, 1, 5.0)])
+    assert [r.ttft for r in result.records] == pytest.approx([0.1, 0.1])
+    assert result.duration_s == pytest.approx(5.1)
+
+
+def test_conservation_and_no_leaks_under_preemption() -> None:
+    # A pool of 20 blocks of 16 tokens for 60 requests of up to 200 tokens: preemptions happen.
+    rng = np.random.default_rng(0)
+    requests = [req(f"r{i}", int(rng.integers(10, 120)), int(rng.integers(1, 80)), float(i) * 0.01)
+                for i in range(60)]
+    sim = make_sim(cost_model(step=0.01, tokens=0.0001), num_gpu_blocks_override=20,
+                   max_num_batched_tokens=64, max_num_seqs=16)
+    result = sim.run(requests)
+    assert result.num_preemptions > 0
+    for r, record in zip(requests, result.records):
+        assert record.success and record.output_tokens == r.output_len
+        assert record.prompt_len == len(r.prompt_token_ids)
+    assert_no_leaks(sim.scheduler)
+    series = result.timeseries.to_dict()
+    assert sum(series["num_steps"]) == result.num_steps
+    assert sum(series["num_preemptions"]) == result.num_preemptions
+    assert max(series["kv_cache_usage"]) <= 1.0
+
+
+def test_same_inputs_same_result() -> None:
+    def run():
+        rng = np.random.default_rng(7)
+        requests = [req(f"r{i}", int(rng.integers(1, 300)), int(rng.integers(1, 50)),
+                        float(rng.uniform(0, 3))) for i in range(100)]
+        sim = make_sim(cost_model(step=0.005, tokens=0.0002, decode_context=1e-6),
+                       num_gpu_blocks_override=40, max_num_batched_tokens=128)
+        result = sim.run(requests)
+        return [(r.ttft, r.latency, tuple(r.itl)) for r in result.records], result.timeseries.to_dict()
+
+    assert run() == run()
+
+
+def test_client_concurrency_limit_sends_one_request_at_a_time() -> None:
+    # Three requests at t=0, one client slot: each is sent when the previous one ends, and its
+    # latency counts from then.
+    sim = make_sim()
+    result = sim.run([req(f"r{i}", 4, 2, 0.0) for i in range(3)], max_concurrency=1)
+    assert [r.ttft for r in result.records] == pytest.approx([0.1] * 3)
+    assert [r.latency for r in result.records] == pytest.approx([0.2] * 3)
+    assert result.duration_s == pytest.approx(0.6)
+
+
+def test_client_abort_fails_the_request_and_frees_its_blocks() -> None:
+    sim = make_sim()
+    result = sim.run([req("slow", 4, 100, 0.0, abort_after_s=0.55), req("ok", 4, 3, 0.0)])
+    slow, ok = result.records
+    assert not slow.success and slow.error == "finished_aborted" and slow.output_tokens == 5
+    assert ok.success and ok.output_tokens == 3
+    assert_no_leaks(sim.scheduler)
+
+
+def test_a_prompt_that_can_never_fit_fails_alone() -> None:
+    sim = make_sim(max_model_len=64)
+    result = sim.run([req("long", 100, 2, 0.0), req("ok", 4, 2, 0.0)])
+    long, ok = result.records
+    assert not long.success and "more than the 64" in long.error
+    assert ok.success
+    assert_no_leaks(sim.scheduler)
+
+
+def test_the_simulated_decisions_are_the_policys(monkeypatch) -> None:
+    # Priority policy: a later, more important request is served first once it arrives.
+    sim = make_sim(scheduling_policy="priority", max_num_seqs=1, max_num_batched_tokens=16)
+    from tokenweir.request import SchedulingHints
+
+    result = sim.run([req("first", 4, 1, 0.0), req("low", 4, 1, 0.01, hints=SchedulingHints(priority=5)),
+                      req("high", 4, 1, 0.02, hints=SchedulingHints(priority=-5))])
+    first, low, high = result.records
+    assert high.latency + 0.02 < low.latency + 0.01  # high finished before low
+
+
+def test_bad_arguments() -> None:
+    sim = make_sim()
+    with pytest.raises(ValueError, match="unique"):
+        sim.run([req("a", 4, 1, 0.0), req("a", 4, 1, 0.0)])
+    with pytest.raises(ValueError, match="max_concurrency"):
+        make_sim().run([req("a", 4, 1, 0.0)], max_concurrency=0)
+    model = cost_model(step=0.1)
+    model.metadata.pop("kv_cache_bytes")
+    with pytest.raises(ValueError, match="lacks the model's max_model_len"):
+        Simulator.from_engine_args(EngineArgs(), model)

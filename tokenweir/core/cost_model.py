@@ -1,0 +1,182 @@
+"""How long an engine step takes, predicted from what the step computes.
+
+One model serves every part that must reason about time without running the model: the
+simulator (virtual step time), `auto` preemption (recompute against swap), the SLO batch
+controller (the step time of a candidate budget) and policies that estimate remaining work.
+It is fitted by `tokenweir profile` on the real engine and stored as JSON; the package ships a
+profile of the default model on CPU (`load_cost_model(None)`).
+
+A step's time is a linear function of a few features of its composition: per-step work (the
+scheduler, the Python around the forward pass), per-token work (the weight matmuls), per-row
+work (sampling, per-sequence attention set-up) and attention work (K/V tokens read by decode
+rows, query-key pairs of prefill chunks), plus swap copies at a measured bandwidth. Linear in
+features, so it can be fitted by least squares and read by a person.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from tokenweir.core.scheduler import SchedulerOutput
+    from tokenweir.request import Request
+
+FORMAT = "tokenweir-step-cost/1"
+DEFAULT_PROFILE = Path(__file__).resolve().parent.parent / "profiles" / "smollm2-135m-cpu.json"
+
+
+@dataclass(frozen=True, slots=True)
+class StepComposition:
+    """What one step computes; the cost model's only input."""
+
+    num_prefill_tokens: int = 0  # tokens of prompt (or recompute) chunks
+    num_prefill_seqs: int = 0
+    num_decode_seqs: int = 0  # rows computing one token after the prompt
+    decode_context_tokens: int = 0  # K/V tokens the decode rows' attention reads
+    # Query-key pairs of the prefill chunks: a chunk of n tokens after c computed ones reads
+    # n*c + n*(n+1)/2 of them (causal).
+    prefill_attention_pairs: int = 0
+    num_sampled: int = 0  # rows that sample a token this step
+    swap_bytes: int = 0  # K/V bytes copied between device and host tiers
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_seqs
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_prefill_seqs + self.num_decode_seqs
+
+    def __add__(self, other: StepComposition) -> StepComposition:
+        return StepComposition(*(getattr(self, f) + getattr(other, f) for f in self.__slots__))
+
+
+def chunk_composition(num_tokens: int, num_computed: int, total_tokens: int,
+                      num_prompt_tokens: int) -> StepComposition:
+    """One request's share of a step: `num_tokens` computed after `num_computed` of its
+    `total_tokens` (prompt plus outputs so far). It samples when the chunk reaches the end."""
+    samples = int(num_computed + num_tokens >= total_tokens)
+    if num_tokens == 1 and samples and num_computed >= num_prompt_tokens:
+        return StepComposition(num_decode_seqs=1, decode_context_tokens=num_computed + 1,
+                               num_sampled=1)
+    pairs = num_tokens * num_computed + num_tokens * (num_tokens + 1) // 2
+    return StepComposition(num_prefill_tokens=num_tokens, num_prefill_seqs=1,
+                           prefill_attention_pairs=pairs, num_sampled=samples)
+
+
+def step_composition(out: SchedulerOutput, requests: Mapping[str, Request],
+                     kv_bytes_per_block: int = 0) -> StepComposition:
+    """The composition of a step just scheduled (before `update_from_output` advances the
+    requests), from the scheduler's live requests."""
+    total = StepComposition()
+    for rid, n in out.num_scheduled_tokens.items():
+        r = requests[rid]
+        total += chunk_composition(n, r.num_computed_tokens, r.num_tokens, r.num_prompt_tokens)
+    swapped = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+    if swapped:
+        total += StepComposition(swap_bytes=swapped * kv_bytes_per_block)
+    return total
+
+
+# name -> how the feature is read from a composition and the profile's small-step bound. The
+# fitted coefficients are seconds per unit of the feature.
+FEATURES: dict[str, Callable[[StepComposition, int], float]] = {
+    "step": lambda c, small: 1.0,
+    "tokens": lambda c, small: c.num_tokens,
+    "seqs": lambda c, small: c.num_seqs,
+    "decode_context": lambda c, small: c.decode_context_tokens,
+    "prefill_attention": lambda c, small: c.prefill_attention_pairs,
+    "sampled": lambda c, small: c.num_sampled,
+    # `tokenweir serve` runs steps of a few tokens on one thread fewer (serving_threads.py):
+    # such a step pays a fixed extra that a larger one does not.
+    "small_step": lambda c, small: float(0 < c.num_tokens <= small),
+}
+
+
+def feature_vector(comp: StepComposition, small_step_max_tokens: int = 0) -> list[float]:
+    return [float(f(comp, small_step_max_tokens)) for f in FEATURES.values()]
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    coefficients: dict[str, float]  # seconds per unit of each feature in FEATURES
+    swap_bytes_per_second: float  # device <-> host copy bandwidth
+    # Where it was measured (model, dtype, device, threads, date) and how well it fits; not
+    # used to predict, kept so a profile says what it is.
+    metadata: dict[str, Any] = field(default_factory=dict)
+    # Steps of up to this many tokens ran with fewer threads when profiled (0: none did).
+    small_step_max_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        missing = set(FEATURES) - set(self.coefficients)
+        unknown = set(self.coefficients) - set(FEATURES)
+        if missing or unknown:
+            raise ValueError(f"cost model coefficients must name exactly {sorted(FEATURES)}; "
+                             f"missing {sorted(missing)}, unknown {sorted(unknown)}")
+        for name, value in self.coefficients.items():
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"cost model coefficient {name!r} must be a finite number >= 0, "
+                                 f"got {value!r}")
+        bw = self.swap_bytes_per_second
+        if not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
+            raise ValueError(f"cost model swap_bytes_per_second must be a finite number > 0, got {bw!r}")
+        small = self.small_step_max_tokens
+        if not isinstance(small, int) or isinstance(small, bool) or small < 0:
+            raise ValueError(f"cost model small_step_max_tokens must be an integer >= 0, got {small!r}")
+        # Read once per prediction in the simulator's inner loop: keep them in feature order.
+        object.__setattr__(self, "_weights", [float(self.coefficients[n]) for n in FEATURES])
+
+    def predict(self, comp: StepComposition) -> float:
+        """Seconds the step takes; an empty step costs nothing."""
+        if comp.num_tokens == 0 and comp.swap_bytes == 0:
+            return 0.0
+        compute = sum(w * x for w, x in zip(self._weights, feature_vector(comp, self.small_step_max_tokens))) if comp.num_tokens else 0.0
+        return compute + comp.swap_bytes / self.swap_bytes_per_second
+
+    def prefill_seconds(self, num_tokens: int, num_context: int = 0) -> float:
+        """The marginal time of computing `num_tokens` of one request after `num_context`
+        cached ones inside a step (what a recompute costs), without the per-step term."""
+        if num_tokens <= 0:
+            return 0.0
+        total = num_context + num_tokens
+        features = feature_vector(chunk_composition(num_tokens, num_context, total, total))
+        # Inside a step of other work: no per-step term (and the step is not a small one).
+        return sum(w * x for name, w, x in zip(FEATURES, self._weights, features) if name != "step")
+
+    def swap_seconds(self, num_bytes: int) -> float:
+        return num_bytes / self.swap_bytes_per_second
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "coefficients": dict(self.coefficients),
+                "swap_bytes_per_second": self.swap_bytes_per_second,
+                "small_step_max_tokens": self.small_step_max_tokens, "metadata": self.metadata}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> StepCostModel:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"not a step cost profile: expected an object with \"format\": \"{FORMAT}\"")
+        try:
+            return cls(dict(data["coefficients"]), data["swap_bytes_per_second"],
+                       dict(data.get("metadata", {})), data.get("small_step_max_tokens", 0))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"step cost profile is missing or has a malformed field: {e}") from None
+
+
+def load_cost_model(path: Optional[str | Path] = None) -> StepCostModel:
+    """The profile at `path`, or the shipped profile of the default model on CPU."""
+    path = Path(path) if path is not None else DEFAULT_PROFILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"cost profile {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"cost profile {path} is not readable JSON: {e}") from None
+    try:
+        return StepCostModel.from_dict(data)
+    except ValueError as e:
+        raise ValueError(f"cost profile {path}: {e}") from None

@@ -1,0 +1,126 @@
+"""`tokenweir profile`: time the real engine over a grid of steps, fit the cost model, save it.
+
+The engine is built from the same engine flags as `serve` (model, dtype, device, block size,
+KV memory); prefix caching is off so every scheduled token is computed, and the token budget
+and sequence cap are set per grid point. By default steps run with the thread choice of
+`tokenweir serve` (a small step leaves a core to the serving path), so the profile describes
+the engine the simulator stands in for; `--no-serving-threads` profiles the offline engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from tokenweir.config import EngineArgs
+from tokenweir.profiling.fit import fit_cost_model, fit_errors, format_errors
+from tokenweir.profiling.measure import ProfileGrid, StepTimer, measure_copy_bandwidth, run_grid
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output", type=Path, required=True, help="where to write the profile JSON")
+    parser.add_argument("--grid", choices=("full", "quick"), default="full",
+                        help="quick: a small grid for a first look (a less exact fit)")
+    parser.add_argument("--serving-threads", action=argparse.BooleanOptionalAction, default=True,
+                        help="run steps with `tokenweir serve`'s thread choice (default on)")
+
+
+def fitting_grid(grid: ProfileGrid, pool_tokens: int) -> ProfileGrid:
+    """The grid without the decode points whose requests would not all fit the KV pool at
+    once: the engine cannot run such a batch either, so the simulator never asks for it."""
+    def fits(batch: int, context: int) -> bool:
+        return batch * grid.decode_context_need(batch, context) <= pool_tokens
+
+    contexts = tuple(c for c in grid.decode_contexts if fits(1, c))
+    if not contexts:
+        raise ValueError(f"the KV pool ({pool_tokens} tokens) holds no decode point of the grid")
+    batches = tuple(b for b in grid.decode_batches if fits(b, max(contexts)))
+    return dataclasses.replace(grid, decode_contexts=contexts, decode_batches=batches)
+
+
+def build_engine(args: EngineArgs, grid: ProfileGrid):
+    from tokenweir.engine.core import EngineCore
+
+    args = dataclasses.replace(args, enable_prefix_caching=False, enable_chunked_prefill=True,
+                               max_num_batched_tokens=grid.max_tokens(),
+                               max_num_seqs=grid.max_seqs(),
+                               max_model_len=args.max_model_len or grid.max_len() + 64,
+                               disable_log_stats=True)
+    return EngineCore(args)
+
+
+def profile(args: EngineArgs, grid: ProfileGrid, serving_threads: bool,
+            log=lambda s: print(s, file=sys.stderr)) -> tuple[dict, str]:
+    """Measure and fit; returns the profile's JSON object and the printed error table."""
+    from tokenweir.engine import serving_threads as threads
+    from tokenweir.model.arch import kv_cache_bytes_per_block
+
+    full_threads = torch.get_num_threads()
+    small_steps = 0
+    if serving_threads and threads.reserve_core_for_serving() is not None:
+        small_steps = threads.SMALL_STEP_MAX_TOKENS
+    engine = build_engine(args, grid)
+    pool_tokens = engine.cache_config.num_blocks * engine.cache_config.block_size
+    grid = fitting_grid(grid, pool_tokens)
+    per_block = kv_cache_bytes_per_block(engine.loaded.arch, engine.cache_config.block_size, engine.loaded.dtype)
+    timer = StepTimer(engine, per_block,
+                      threads.before_step if serving_threads else (lambda n: None))
+    start = time.perf_counter()
+    for _ in run_grid(timer, grid, log):
+        pass
+    bandwidth = measure_copy_bandwidth(engine.runner.kv_caches)
+    samples = timer.samples
+    metadata = {
+        "model": engine.served_model_name,
+        "dtype": str(engine.loaded.dtype).removeprefix("torch."),
+        "device": str(engine.loaded.device),
+        "device_name": (torch.cuda.get_device_name(engine.loaded.device)
+                        if engine.loaded.device.type == "cuda" else platform.processor() or platform.machine()),
+        "torch_threads": full_threads,
+        "max_model_len": engine.loaded.arch.max_model_len,
+        "serving_threads": serving_threads,
+        "block_size": engine.cache_config.block_size,
+        "kv_bytes_per_block": per_block,
+        # The engine's KV pool with these flags: the simulator's default pool.
+        "kv_cache_bytes": engine.cache_config.num_blocks * per_block,
+        "grid": args_grid_dict(grid),
+        "num_samples": len(samples),
+        "profile_seconds": round(time.perf_counter() - start, 1),
+        "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+    comps = [s.composition for s in samples]
+    secs = [s.seconds for s in samples]
+    regions = [s.region for s in samples]
+    model = fit_cost_model(comps, secs, bandwidth, metadata, small_steps)
+    errors = fit_errors(model, comps, secs, regions)
+    model.metadata["fit_error"] = {e.region: {"samples": e.num_samples, "mape": round(e.mape, 4),
+                                              "max_error": round(e.max_error, 4)} for e in errors}
+    data = model.to_dict()
+    # The raw measurements travel with the fit, so it can be checked or refitted later.
+    data["samples"] = [{**dataclasses.asdict(s.composition), "seconds": s.seconds, "region": s.region}
+                       for s in samples]
+    return data, format_errors(errors)
+
+
+def args_grid_dict(grid: ProfileGrid) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(grid).items()}
+
+
+def main(ns: argparse.Namespace, args: EngineArgs) -> int:
+    grid = ProfileGrid.quick() if ns.grid == "quick" else ProfileGrid()
+    data, table = profile(args, grid, ns.serving_threads)
+    print(table)
+    coef = ", ".join(f"{k}={v:.3g}" for k, v in data["coefficients"].items())
+    print(f"coefficients (s per unit): {coef}; swap {data['swap_bytes_per_second'] / 1e9:.2f} GB/s")
+    ns.output.parent.mkdir(parents=True, exist_ok=True)
+    ns.output.write_text(json.dumps(data, indent=2) + "\n")
+    print(f"wrote {ns.output}", file=sys.stderr)
+    return 0

@@ -1,0 +1,251 @@
+"""A discrete-event simulation of one engine: the real scheduler, virtual time, a cost model.
+
+Nothing of the scheduler is re-implemented here. The simulator builds `core.Scheduler` from the
+engine's own configs (`EngineArgs.create_engine_configs`, as `EngineCore` does) and drives it
+through the calls the engine makes: `add_request` on arrival, `schedule(now)`, then
+`update_from_output(out, sampled, now)` once the step's predicted time has passed, and
+`abort_requests` when a client gives up. The step's time comes from `StepCostModel.predict` of
+the step's composition; the "runner" samples a fixed token for every row that finishes its
+prompt, and each request stops at its workload output length (`ignore_eos`), so the scheduler
+sees exactly the token counts a real replay of the workload would produce.
+
+Like the engine, a request that arrives during a step is first seen by the next `schedule()`,
+and a token is delivered when its step ends. The HTTP path's own delay is not modelled.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tokenweir.bench.serve_metrics import RequestRecord
+from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig
+from tokenweir.core.cost_model import StepCostModel, step_composition
+from tokenweir.core.scheduler import Scheduler, SchedulerOutput
+from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
+from tokenweir.sim.timeseries import TimeSeries
+
+# The token every simulated row samples. Stop conditions never look at it (no EOS, no stop
+# ids, ignore_eos), so any id would do.
+SAMPLED_TOKEN = 0
+# Progress is reported every this many steps.
+PROGRESS_EVERY_STEPS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    output_len: int
+    arrival_s: float  # when the client sends it (before any client-side concurrency limit)
+    hints: SchedulingHints = SchedulingHints()
+    # The client aborts the request this long after sending it, if it has not finished.
+    abort_after_s: Optional[float] = None
+
+
+@dataclass
+class SimResult:
+    records: list[RequestRecord]  # in the order of the requests given
+    duration_s: float  # first send to last completion, as `bench serve` measures it
+    num_steps: int
+    num_preemptions: int
+    timeseries: TimeSeries
+    # Filled by whoever holds them: the scheduler stats at the end, for leak checks.
+    final_num_free_blocks: int = 0
+    num_blocks: int = 0
+
+
+@dataclass
+class _Tracking:
+    """Per-request bookkeeping of the client's view: when it sent, and when tokens came."""
+
+    sim: SimRequest
+    request: Optional[Request] = None  # the scheduler's live record, once sent
+    sent_s: float = 0.0
+    first_token_s: Optional[float] = None
+    last_token_s: float = 0.0
+    num_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    done: bool = False
+
+
+def scheduler_configs(args: EngineArgs, model_max_len: int, kv_cache_bytes: int,
+                      kv_bytes_per_token: int) -> tuple[CacheConfig, SchedulerConfig]:
+    """The configs the engine would build with these args on the profiled device: its KV pool
+    is `kv_cache_memory` if given (else the pool the profile was taken with), in blocks."""
+    per_block = kv_bytes_per_token * args.block_size
+    if args.num_gpu_blocks_override is not None:
+        num_blocks = args.num_gpu_blocks_override
+    else:
+        num_blocks = (args.kv_cache_bytes() or kv_cache_bytes) // per_block
+    if num_blocks < 1:
+        raise ValueError(f"the KV pool holds no block of {per_block} bytes")
+    return args.create_engine_configs(model_max_len, num_blocks)
+
+
+class Simulator:
+    """Runs one workload through one simulated engine; `run` may be called once."""
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, cost_model: StepCostModel,
+                         timeseries_points: int = 500) -> Simulator:
+        """The engine `args` describe, on the device and model the profile was taken on."""
+        meta = cost_model.metadata
+        try:
+            model_max_len = int(meta["max_model_len"])
+            kv_cache_bytes = int(meta["kv_cache_bytes"])
+            per_token = int(meta["kv_bytes_per_block"]) // int(meta["block_size"])
+        except (KeyError, TypeError, ValueError):
+            raise ValueError("the cost profile's metadata lacks the model's max_model_len, "
+                             "kv_cache_bytes, kv_bytes_per_block or block_size; take it with "
+                             "`tokenweir profile`") from None
+        cache_cfg, sched_cfg = scheduler_configs(args, model_max_len, kv_cache_bytes, per_token)
+        return cls(Scheduler(sched_cfg, cache_cfg), cost_model, per_token * args.block_size,
+                   timeseries_points)
+
+    def __init__(self, scheduler: Scheduler, cost_model: StepCostModel, kv_bytes_per_block: int,
+                 timeseries_points: int = 500,
+                 on_step: Optional[Callable[[SchedulerOutput, float], None]] = None) -> None:
+        self.scheduler = scheduler
+        # Sees every step as scheduled, with its start time (tests compare decisions with it).
+        self.on_step = on_step
+        self.cost_model = cost_model
+        self.kv_bytes_per_block = kv_bytes_per_block
+        self.timeseries = TimeSeries(timeseries_points)
+        self.now = 0.0
+        self.num_steps = 0
+
+    def run(self, requests: Sequence[SimRequest], max_concurrency: Optional[int] = None,
+            progress: Callable[[int], None] = lambda done: None) -> SimResult:
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        tracks = {r.request_id: _Tracking(r) for r in requests}
+        if len(tracks) != len(requests):
+            raise ValueError("simulated request ids must be unique")
+        # Clients: requests in send order; those over the concurrency limit wait client-side
+        # (their latency counts from when they are finally sent, as in `bench serve`).
+        arrivals = sorted(requests, key=lambda r: r.arrival_s)
+        next_arrival = 0
+        held: list[SimRequest] = []  # arrived, waiting for a client slot
+        in_flight = 0
+        aborts: list[tuple[float, int, str]] = []  # (time, tie-break, request id), a heap
+        tie = itertools.count()
+        sched = self.scheduler
+        num_done = 0
+
+        def send(sim: SimRequest, at: float) -> None:
+            nonlocal in_flight
+            track = tracks[sim.request_id]
+            track.sent_s = at
+            in_flight += 1
+            params = SamplingParams(max_tokens=sim.output_len, temperature=0.0, ignore_eos=True)
+            hints = sim.hints
+            if hints.arrival_time is None:
+                hints = SchedulingHints(**{**hints.to_dict(), "arrival_time": at})
+            track.request = Request(sim.request_id, list(sim.prompt_token_ids), params,
+                                    arrival_time=at, eos_token_id=None, hints=hints)
+            sched.add_request(track.request)
+            if track.request.is_finished:  # rejected on arrival (a prompt that can never fit)
+                finish(sim.request_id)
+            elif sim.abort_after_s is not None:
+                heapq.heappush(aborts, (at + sim.abort_after_s, next(tie), sim.request_id))
+
+        def finish(rid: str) -> None:
+            nonlocal in_flight, num_done
+            tracks[rid].done = True
+            in_flight -= 1
+            num_done += 1
+            # A freed client slot sends the next held request at once.
+            while held and (max_concurrency is None or in_flight < max_concurrency):
+                send(held.pop(0), self.now)
+
+        def collect_finished() -> None:
+            """Every way an admitted request ends (its length, an abort, a policy that sheds
+            it) passes through the scheduler's finished ids."""
+            for rid in sorted(sched.take_finished_req_ids()):  # sorted: a set's order is not stable
+                finish(rid)
+
+        while num_done < len(requests):
+            # Everything that happened by `now`: sends and client aborts, in time order.
+            while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= self.now:
+                sim = arrivals[next_arrival]
+                next_arrival += 1
+                if max_concurrency is not None and in_flight >= max_concurrency:
+                    held.append(sim)
+                else:
+                    send(sim, sim.arrival_s)
+            while aborts and aborts[0][0] <= self.now:
+                _, _, rid = heapq.heappop(aborts)
+                sched.abort_requests([rid], now=self.now)  # ignored if it has just finished
+            collect_finished()
+            if not sched.has_unfinished_requests():
+                # Idle until the next event.
+                upcoming = [t for t in (arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) else None,
+                                        aborts[0][0] if aborts else None) if t is not None]
+                if not upcoming:
+                    break
+                self.now = max(self.now, min(upcoming))
+                continue
+            self._step(tracks)
+            collect_finished()
+            if self.num_steps % PROGRESS_EVERY_STEPS == 0:
+                progress(num_done)
+        progress(num_done)
+        if num_done < len(requests):
+            raise RuntimeError(f"simulation stopped with {len(requests) - num_done} requests unfinished")
+
+        records = [self._record(tracks[r.request_id]) for r in requests]
+        start = min((r.arrival_s for r in requests), default=0.0)
+        end = max((t.last_token_s for t in tracks.values() if t.num_tokens), default=start)
+        return SimResult(records, max(end - start, 1e-9), self.num_steps,
+                         sched.get_stats().num_preemptions, self.timeseries)
+
+    def _step(self, tracks: dict[str, _Tracking]) -> None:
+        sched = self.scheduler
+        out = sched.schedule(now=self.now)
+        if self.on_step is not None:
+            self.on_step(out, self.now)
+        comp = step_composition(out, sched.requests, self.kv_bytes_per_block)
+        if comp.num_tokens == 0:
+            # Requests are unfinished but none can run (a prompt that needs more blocks than the
+            # pool can ever free, say): the real engine would spin here for good.
+            sched.update_from_output(out, {}, self.now)  # settle the empty step
+            raise RuntimeError(f"simulated engine stalled at t={self.now:.3f}s: "
+                               f"{len(sched.waiting)} waiting, {len(sched.running)} running, nothing schedulable")
+        sampled = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            r = sched.requests[rid]
+            if r.num_computed_tokens + n >= r.num_tokens:
+                sampled[rid] = [SAMPLED_TOKEN]
+        self.now += self.cost_model.predict(comp)
+        self.num_steps += 1
+        for update in sched.update_from_output(out, sampled, self.now):
+            track = tracks[update.request.request_id]
+            gave_up = track.sim.abort_after_s is not None and self.now > track.sent_s + track.sim.abort_after_s
+            # A client that has given up receives nothing more, though the engine hears of
+            # the abort only after the step.
+            if update.new_token_ids and not gave_up:
+                if track.first_token_s is None:
+                    track.first_token_s = self.now
+                else:
+                    track.itl.append(self.now - track.last_token_s)
+                track.last_token_s = self.now
+                track.num_tokens += len(update.new_token_ids)
+        stats = sched.get_stats()
+        self.timeseries.add(self.now, stats.num_waiting, stats.num_running, stats.num_swapped,
+                            stats.kv_cache_usage, stats.num_preemptions, comp.num_tokens)
+
+    @staticmethod
+    def _record(track: _Tracking) -> RequestRecord:
+        request = track.request
+        prompt_len = len(track.sim.prompt_token_ids)
+        if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+            reason = request.status_message or request.status.name.lower()
+            return RequestRecord(success=False, prompt_len=prompt_len,
+                                 output_tokens=track.num_tokens, error=reason)
+        return RequestRecord(success=True, prompt_len=prompt_len, output_tokens=track.num_tokens,
+                             ttft=track.first_token_s - track.sent_s,
+                             latency=track.last_token_s - track.sent_s, itl=track.itl)
