@@ -243,6 +243,13 @@ class EngineArgs:
                                     long_prefill_token_threshold=self.long_prefill_token_threshold)
         return cache, scheduler
 
+    def num_host_blocks(self, kv_block_bytes: int) -> int:
+        """Blocks of `kv_block_bytes` that swap_space holds (the engine's and the simulator's)."""
+        num_blocks = int(self.swap_space * 1024**3) // kv_block_bytes
+        if self.swap_space and num_blocks < 1:
+            raise ValueError(f"swap_space of {self.swap_space} GiB holds no KV block of {kv_block_bytes} bytes")
+        return num_blocks
+
     def kv_cache_bytes(self) -> Optional[int]:
         return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)
 
