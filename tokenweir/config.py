@@ -136,9 +136,9 @@ class CacheConfig:
         _check_int("num_host_blocks", self.num_host_blocks, 0)
         _check_int("kv_block_bytes", self.kv_block_bytes, 0)
         if (self.swap_space or self.num_host_blocks) and self.preemption_mode == "recompute":
-            raise ValueError(
-                f"swap_space ({self.swap_space} GiB) would never be used: preemption_mode 'recompute' "
-                "does not swap; leave swap_space at 0")
+            what = f"swap_space ({self.swap_space} GiB)" if self.swap_space else f"num_host_blocks ({self.num_host_blocks})"
+            raise ValueError(f"{what} would never be used: preemption_mode 'recompute' does not swap; "
+                             "leave swap_space at 0")
         if self.preemption_mode != "recompute" and not (self.swap_space or self.num_host_blocks):
             raise ValueError(f"preemption_mode {self.preemption_mode!r} swaps to host memory, but swap_space "
                              "is 0; give swap_space (GiB) or use preemption_mode 'recompute'")
