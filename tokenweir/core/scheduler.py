@@ -3,8 +3,8 @@
 There are no prefill and decode phases. Each step every chosen request gets a number of tokens
 to compute (a prefill chunk or one decode token) within the step's limits (a token budget and a
 sequence cap, from the batch controller): running requests first, then swapped-out ones whose
-blocks fit back, then waiting ones in policy order. Time only enters as `now=` arguments, so the simulator and the real engine make the same
-decisions.
+blocks fit back, then waiting ones in policy order. Time only enters as `now=` arguments, so
+the simulator and the real engine make the same decisions.
 
 A step is a transaction: every `schedule()` is followed by exactly one `update_from_output()`
 (it ran) or `fail_step()` (it did not), and nothing else is scheduled in between.
@@ -274,12 +274,11 @@ class Scheduler:
         # passes a request swapped out before it arrived, which would otherwise wait for good.
         passed_over: list[Request] = []
         lookahead = self.policy.admission_lookahead()
-        swapped_since = min((r.arrival_time for r in self.swapped), default=None)
         while self.waiting and step.budget > 0:
             # Off the queue while deciding: a victim preempted to make room for it goes back to
             # the queue's front, and must not be mistaken for it.
             request = self.waiting.pop()
-            if (swapped_since is None or request.arrival_time < swapped_since) and self._try_admit(request, step, now):
+            if not self._swapped_before(request) and self._try_admit(request, step, now):
                 continue
             passed_over.append(request)
             if len(passed_over) > lookahead or len(self.running) >= limits.max_num_seqs:
@@ -297,6 +296,10 @@ class Scheduler:
                              f"(max_num_batched_tokens={self.config.max_num_batched_tokens}, "
                              f"max_num_seqs={self.config.max_num_seqs})")
         return limits
+
+    def _swapped_before(self, request: Request) -> bool:
+        """Whether a request that arrived no later than `request` is swapped out."""
+        return any(r.arrival_time <= request.arrival_time for r in self.swapped)
 
     def _swap_in(self, step: _StepState, now: float) -> None:
         """Bring swapped-out requests back in policy order, each with its next tokens, while
@@ -408,16 +411,20 @@ class Scheduler:
             # first, so an FCFS queue stays in arrival order.
             self.swapped.push_front(victim)
         else:
-            self.kv_cache_manager.free(victim)
-            victim.status = RequestStatus.PREEMPTED
-            victim.num_computed_tokens = 0
-            self.waiting.push_front(victim)
+            self._send_back_to_wait(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.num_preemptions_by_mode[kind] += 1
         step.preempted.add(victim.request_id)
         # Its block ids and admission need no undoing: the output is built from `running`.
         step.budget += step.num_scheduled.pop(victim.request_id, 0)
+
+    def _send_back_to_wait(self, request: Request) -> None:
+        """Recompute preemption: free its blocks (both tiers), to the front of waiting."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.push_front(request)
 
     def _admit(self, request: Request, num_hit: int, now: float, step: _StepState) -> None:
         request.status = RequestStatus.RUNNING
@@ -543,10 +550,7 @@ class Scheduler:
         for request in in_flight.swapped_out:
             if request.status == RequestStatus.SWAPPED and self.requests.get(request.request_id) is request:
                 self.swapped.remove(request)
-                self.kv_cache_manager.free(request)
-                request.status = RequestStatus.PREEMPTED
-                request.num_computed_tokens = 0
-                self.waiting.push_front(request)
+                self._send_back_to_wait(request)
         failed = [r for r in in_flight.requests.values() if not r.is_finished]
         self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ABORTED, now)
         return failed
