@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Union
 
 from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.core.policies import POLICIES, PolicyConfig, SLAConfig, VTCConfig, parse_tenant_weights
 
-PREEMPTION_MODES = ("recompute",)  # swap arrives with its own issue; SchedulerOutput has the seam
+PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (core/preemption.py)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
                "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -112,6 +112,10 @@ class CacheConfig:
     watermark: float = 0.0  # fraction of blocks kept free when admitting waiting requests
     preemption_mode: str = "recompute"
     swap_space: float = 0.0  # GiB of host memory for swap preemption
+    # Set by the engine: the host tier's blocks (from swap_space) and one block's bytes (all
+    # layers, K and V), the size of a swap copy that `auto` prices.
+    num_host_blocks: int = 0
+    kv_block_bytes: int = 0
     # Secret key of the prefix-cache block keys (core/block_hash.py); replicas of a deployment
     # share it. None: unkeyed BLAKE2b (still unforgeable, but computable from outside).
     prefix_cache_hash_key: Optional[bytes] = None
@@ -126,15 +130,18 @@ class CacheConfig:
         if not is_finite_number(self.watermark) or not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(
-                f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r} "
-                "(swap preemption is not implemented yet)")
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if not is_finite_number(self.swap_space) or self.swap_space < 0:
             raise ValueError(f"swap_space must be a number >= 0 (GiB), got {self.swap_space!r}")
-        if self.swap_space and self.preemption_mode == "recompute":
-            raise ValueError(
-                f"swap_space ({self.swap_space} GiB) would never be used: preemption_mode 'recompute' "
-                "does not swap; leave swap_space at 0")
+        _check_int("num_host_blocks", self.num_host_blocks, 0)
+        _check_int("kv_block_bytes", self.kv_block_bytes, 0)
+        if (self.swap_space or self.num_host_blocks) and self.preemption_mode == "recompute":
+            what = f"swap_space ({self.swap_space} GiB)" if self.swap_space else f"num_host_blocks ({self.num_host_blocks})"
+            raise ValueError(f"{what} would never be used: preemption_mode 'recompute' does not swap; "
+                             "leave swap_space at 0")
+        if self.preemption_mode != "recompute" and not (self.swap_space or self.num_host_blocks):
+            raise ValueError(f"preemption_mode {self.preemption_mode!r} swaps to host memory, but swap_space "
+                             "is 0; give swap_space (GiB) or use preemption_mode 'recompute'")
 
     @property
     def watermark_blocks(self) -> int:
@@ -213,7 +220,8 @@ class EngineArgs:
         "help": f"vtc: counter units per generated token (default {_VTC.output_weight})"})
     vtc_tenant_weights: Optional[str] = field(default=None, metadata={
         "help": "vtc: tenant shares, 'a=2,b=1' or @file.json ({tenant: weight}); others weigh 1"})
-    preemption_mode: str = field(default="recompute", metadata={"help": "recompute"})
+    preemption_mode: str = field(default="recompute", metadata={
+        "help": "recompute | swap | auto (per victim, by predicted cost; swap needs --swap-space)"})
     watermark: float = field(default=0.0, metadata={
         "help": "fraction of KV blocks kept free when admitting new requests"})
     swap_space: float = field(default=0.0, metadata={"help": "GiB of host memory for swap preemption"})
@@ -247,9 +255,9 @@ class EngineArgs:
         return [f.name for f in fields(cls)]
 
     def create_engine_configs(
-        self, model_max_len: int, num_blocks: int
+        self, model_max_len: int, num_blocks: int, *, num_host_blocks: int = 0, kv_block_bytes: int = 0
     ) -> tuple[CacheConfig, SchedulerConfig]:
-        """Resolve defaults against the model (its context length) and the KV pool size."""
+        """Resolve defaults against the model (its context length) and the KV pools' sizes."""
         capacity = num_blocks * self.block_size
         # Unset, max_model_len is the model's context, shrunk to what the pool holds (a small
         # CPU pool should still serve); set explicitly, it must fit both.
@@ -262,7 +270,8 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) is larger than the KV cache can hold ({num_blocks} "
                 f"blocks x {self.block_size} = {capacity} tokens); raise kv_cache_memory / "
                 "num_gpu_blocks_override or lower max_model_len")
-        return self._scheduler_and_cache_configs(max_model_len, num_blocks)
+        cache, scheduler = self._scheduler_and_cache_configs(max_model_len, num_blocks)
+        return replace(cache, num_host_blocks=num_host_blocks, kv_block_bytes=kv_block_bytes), scheduler
 
     def _scheduler_and_cache_configs(self, max_model_len: Optional[int],
                                      num_blocks: int) -> tuple[CacheConfig, SchedulerConfig]:
@@ -293,6 +302,13 @@ class EngineArgs:
         knobs = {f.name: getattr(self, f"sla_{f.name}") for f in fields(SLAConfig)
                  if f.name not in ("num_priority_classes", "vtc")}
         return SLAConfig(**knobs, num_priority_classes=self.num_priority_classes, vtc=vtc)
+
+    def num_host_blocks(self, kv_block_bytes: int) -> int:
+        """Blocks of `kv_block_bytes` that swap_space holds (the engine's and the simulator's)."""
+        num_blocks = int(self.swap_space * 1024**3) // kv_block_bytes
+        if self.swap_space and num_blocks < 1:
+            raise ValueError(f"swap_space of {self.swap_space} GiB holds no KV block of {kv_block_bytes} bytes")
+        return num_blocks
 
     def kv_cache_bytes(self) -> Optional[int]:
         return None if self.kv_cache_memory is None else parse_size(self.kv_cache_memory)

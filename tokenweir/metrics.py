@@ -14,6 +14,7 @@ from typing import Optional
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from tokenweir.core.policies import priority_class
+from tokenweir.core.preemption import PREEMPTION_KINDS
 from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine.output import RequestOutput
 from tokenweir.request import SchedulingHints
@@ -151,7 +152,12 @@ class EngineMetrics:
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.num_preemptions = counter("num_preemptions", "Cumulative number of preemptions.")
+        self._num_preemptions = Counter(PREFIX + "num_preemptions", "Preemptions, by mode (recompute or swap).",
+                                        ["model_name", "mode"], registry=self.registry)
+        self.num_preemptions = {m: self._num_preemptions.labels(model_name, m) for m in PREEMPTION_KINDS}
+        self.num_blocks_swapped_out = counter("num_blocks_swapped_out", "KV blocks copied to host memory.")
+        self.num_blocks_swapped_in = counter("num_blocks_swapped_in", "KV blocks copied back from host memory.")
+        self.cpu_cache_usage_perc = gauge("cpu_cache_usage_perc", "Swap space usage; 1 means 100 percent.")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill completed.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(
@@ -187,11 +193,16 @@ class EngineMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_swapped.set(stats.num_swapped)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.cpu_cache_usage_perc.set(stats.swap_space_usage or 0.0)
         growth = self._growth.take(queries=stats.prefix_cache.queries, hits=stats.prefix_cache.hits,
-                                   preemptions=stats.num_preemptions)
+                                   swapped_out=stats.num_blocks_swapped_out, swapped_in=stats.num_blocks_swapped_in,
+                                   **stats.num_preemptions_by_mode)
         self.prefix_cache_queries.inc(growth["queries"])
         self.prefix_cache_hits.inc(growth["hits"])
-        self.num_preemptions.inc(growth["preemptions"])
+        self.num_blocks_swapped_out.inc(growth["swapped_out"])
+        self.num_blocks_swapped_in.inc(growth["swapped_in"])
+        for mode, counter in self.num_preemptions.items():
+            counter.inc(growth.get(mode, 0))
 
     def record_iteration(self, num_scheduled_tokens: int) -> None:
         if num_scheduled_tokens > 0:
@@ -249,7 +260,7 @@ class StatsLogger:
     def __init__(self, interval_s: float, now: float) -> None:
         self.interval_s = interval_s
         self._window = _Window(now)
-        self._prefix_growth = CounterGrowth()  # prefix-cache lookups since the last line
+        self._growth = CounterGrowth()  # prefix-cache lookups, preemptions and copies since the last line
         self._logged_idle = False
 
     def add_tokens(self, prompt_tokens: int, generation_tokens: int) -> None:
@@ -263,15 +274,22 @@ class StatsLogger:
             return
         idle = (w.prompt_tokens == 0 and w.generation_tokens == 0 and stats.num_running == 0
                 and stats.num_waiting == 0 and stats.num_swapped == 0)
-        growth = self._prefix_growth.take(queries=stats.prefix_cache.queries, hits=stats.prefix_cache.hits)
+        growth = self._growth.take(queries=stats.prefix_cache.queries, hits=stats.prefix_cache.hits,
+                                   swapped_out=stats.num_blocks_swapped_out, swapped_in=stats.num_blocks_swapped_in,
+                                   **stats.num_preemptions_by_mode)
         queries, hits = growth["queries"], growth["hits"]
         if not (idle and self._logged_idle):
-            logger.info(
-                "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-                "Running: %d reqs, Waiting: %d reqs, Swapped: %d reqs, KV cache usage: %.1f%%, "
-                "Prefix cache hit rate: %.1f%%",
-                w.prompt_tokens / elapsed, w.generation_tokens / elapsed, stats.num_running,
-                stats.num_waiting, stats.num_swapped, 100 * stats.kv_cache_usage,
-                100 * hits / queries if queries > 0 else 0.0)
+            line = ("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+                    "Running: %d reqs, Waiting: %d reqs, Swapped: %d reqs, KV cache usage: %.1f%%, "
+                    "Prefix cache hit rate: %.1f%%")
+            args = [w.prompt_tokens / elapsed, w.generation_tokens / elapsed, stats.num_running,
+                    stats.num_waiting, stats.num_swapped, 100 * stats.kv_cache_usage,
+                    100 * hits / queries if queries > 0 else 0.0]
+            if stats.swap_space_usage is not None:  # an engine with swap space: what it did in the interval
+                line += (", Swap space usage: %.1f%%, Preemptions: %d recompute / %d swap, "
+                         "Blocks swapped out/in: %d/%d")
+                args += [100 * stats.swap_space_usage, growth.get("recompute", 0), growth.get("swap", 0),
+                         growth["swapped_out"], growth["swapped_in"]]
+            logger.info(line, *args)
         self._logged_idle = idle
         self._window = _Window(now)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.block_pool import BlockPool
+from tokenweir.core.cost_model import StepCostModel
 from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.policies import SchedulingPolicy
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
@@ -19,9 +21,11 @@ def create_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: Optional
                      max_model_len: Optional[int] = None, num_blocks: int = 64, block_size: int = 4,
                      policy: Union[str, SchedulingPolicy] = "fcfs", enable_chunked_prefill: bool = True,
                      long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
-                     watermark: float = 0.0) -> Scheduler:
+                     watermark: float = 0.0, preemption_mode: str = "recompute", num_host_blocks: int = 0,
+                     kv_block_bytes: int = 0, cost_model: Optional[StepCostModel] = None) -> Scheduler:
     """A scheduler on tiny limits; `policy` is a registered name or a policy object to inject.
-    `max_num_seqs` defaults to 16, or the budget if that is smaller (the budget must cover it)."""
+    `max_num_seqs` defaults to 16, or the budget if that is smaller (the budget must cover it).
+    Swap preemption needs `num_host_blocks` (and, for `auto`, `kv_block_bytes`)."""
     if max_num_seqs is None:
         max_num_seqs = min(16, max_num_batched_tokens)
     return Scheduler(
@@ -30,16 +34,20 @@ def create_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: Optional
                         enable_chunked_prefill=enable_chunked_prefill,
                         long_prefill_token_threshold=long_prefill_token_threshold),
         CacheConfig(block_size=block_size, num_blocks=num_blocks,
-                    enable_prefix_caching=enable_prefix_caching, watermark=watermark),
-        policy=None if isinstance(policy, str) else policy)
+                    enable_prefix_caching=enable_prefix_caching, watermark=watermark,
+                    preemption_mode=preemption_mode, num_host_blocks=num_host_blocks,
+                    kv_block_bytes=kv_block_bytes),
+        policy=None if isinstance(policy, str) else policy, cost_model=cost_model)
 
 
 def make_request(request_id: str, prompt: list[int] | int, *, max_tokens: Optional[int] = 4,
                  arrival_time: float = 0.0, priority: int = 0, tenant: Optional[str] = None,
                  cache_salt: Optional[str] = None, **params) -> Request:
     if isinstance(prompt, int):
-        # Distinct tokens per request id, so prompts share nothing unless a test says so.
-        base = 1000 + 100 * (abs(hash(request_id)) % 1000)
+        # Distinct tokens per request id, so prompts share nothing unless a test says so. A
+        # stable hash: with the process's salted one, two ids collided once in ~1,000 runs (and
+        # a prompt then hit the other's cached blocks).
+        base = 1000 + 100 * (zlib.crc32(request_id.encode()) % 100_000)
         prompt = list(range(base, base + prompt))
     return Request(request_id=request_id, prompt_token_ids=prompt,
                    sampling_params=SamplingParams(max_tokens=max_tokens, **params),
@@ -76,7 +84,18 @@ class PagedFakeRunner:
     block_size: int
     token_fn: Callable[[list[int]], int] = next_token
     kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (token, position)
+    host_kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # the host tier's slots
     state: dict[str, _RunnerRequest] = field(default_factory=dict)
+
+    def _copy_blocks(self, src: dict[int, tuple[int, int]], dst: dict[int, tuple[int, int]],
+                     pairs: list[tuple[int, int]]) -> None:
+        for src_block, dst_block in pairs:
+            for offset in range(self.block_size):
+                entry = src.get(src_block * self.block_size + offset)
+                if entry is None:
+                    dst.pop(dst_block * self.block_size + offset, None)
+                else:
+                    dst[dst_block * self.block_size + offset] = entry
 
     def _slot(self, req: _RunnerRequest, pos: int) -> int:
         return req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
@@ -90,6 +109,11 @@ class PagedFakeRunner:
         return context
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        assert not (out.blocks_to_swap_out and out.blocks_to_swap_in), "a step swapped both ways"
+        # Out before anything is written (the freed device blocks may be reused in this step),
+        # in before anything is read.
+        self._copy_blocks(self.kv, self.host_kv, out.blocks_to_swap_out)
+        self._copy_blocks(self.host_kv, self.kv, [(h, d) for d, h in out.blocks_to_swap_in])
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.state.pop(rid, None)
         for new in out.scheduled_new_reqs:
@@ -159,10 +183,12 @@ def assert_pool_released(pool: BlockPool) -> None:
 
 
 def assert_kv_released(kv: KVCacheManager) -> None:
-    """No request holds blocks or a published-block count; every cached block is free and
-    indexed under its own key."""
-    assert kv.req_to_blocks == {} and kv.num_cached_blocks == {}
+    """No request holds blocks of either tier or a published-block count; every cached block
+    is free and indexed under its own key."""
+    assert kv.req_to_blocks == {} and kv.num_cached_blocks == {} and kv.req_to_host_blocks == {}
     assert_pool_released(kv.block_pool)
+    if kv.host_pool is not None:
+        assert_pool_released(kv.host_pool)
     for block_hash, block in kv.block_pool.cached_block_hash_to_block.items():
         assert block.block_hash == block_hash
 
@@ -170,6 +196,6 @@ def assert_kv_released(kv: KVCacheManager) -> None:
 def assert_no_leaks(scheduler: Scheduler) -> None:
     """After a test: nothing queued, running or in flight, every block free with ref count 0."""
     assert not scheduler.has_unfinished_requests(), list(scheduler.requests)
-    assert len(scheduler.waiting) == 0 and scheduler.running == []
+    assert len(scheduler.waiting) == 0 and len(scheduler.swapped) == 0 and scheduler.running == []
     assert scheduler.step_in_flight is None, "a scheduled step was neither applied nor failed"
     assert_kv_released(scheduler.kv_cache_manager)

@@ -1,14 +1,20 @@
-"""Property test: random workloads on tiny pools, both policies, chunking on and off, with EOS,
-stop ids, stop-string finishes, aborts, prefix-cache resets, cache salts and reused ids."""
+"""Property test: random workloads on tiny pools, both policies, chunking on and off, every
+preemption mode (swap and auto on host tiers from one block up), with EOS, stop ids, stop-string
+finishes, aborts, prefix-cache resets, cache salts and reused ids."""
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tokenweir.core.cost_model import FEATURES, StepCostModel
 from tokenweir.request import RequestStatus
 from tests.core.helpers import (EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, make_request,
                                 next_token, step)
 
 PREFIXES = [list(range(10, 30)), list(range(40, 52)), []]
+# For `auto`: a block out and back in costs as much as ~5 tokens' prefill, and attention makes
+# long prefills dearer per token, so victims of either kind occur.
+_COEFFICIENTS = {**dict.fromkeys(FEATURES, 0.0), "tokens": 1e-3, "prefill_attention": 1e-4}
+AUTO_COSTS = StepCostModel(_COEFFICIENTS, swap_bytes_per_second=2 * 1000 / 5e-3)
 
 
 def model(context: list[int]) -> int:
@@ -30,16 +36,22 @@ def expected_stream(prompt: list[int], max_tokens: int, ignore_eos: bool, stop_i
 
 
 @st.composite
-def workloads(draw):
+def workloads(draw, modes=("recompute", "swap", "auto"), tight=False):
+    """`tight`: a small pool, several sequences, longer outputs arriving together and fewer
+    aborts, so that most workloads preempt."""
     chunked = draw(st.booleans())
     budget = draw(st.integers(4, 48))
     block_size = draw(st.sampled_from([1, 2, 4, 8]))
     min_blocks = max(2, -(-8 // block_size))
     # Small pools half of the time, so that preemption is common.
-    num_blocks = draw(st.one_of(st.integers(min_blocks, min_blocks + 4), st.integers(min_blocks, 40)))
+    small = st.integers(min_blocks, min_blocks + 4)
+    if tight:  # room for a long prompt or two, not for all of them
+        num_blocks = -(-draw(st.integers(24, 64)) // block_size)
+    else:
+        num_blocks = draw(st.one_of(small, st.integers(min_blocks, 40)))
     config = dict(
         max_num_batched_tokens=budget,
-        max_num_seqs=draw(st.integers(1, min(6, budget))),
+        max_num_seqs=draw(st.integers(min(2 if tight else 1, budget), min(6, budget))),
         block_size=block_size,
         num_blocks=num_blocks,
         policy=draw(st.sampled_from(["fcfs", "priority"])),
@@ -48,18 +60,22 @@ def workloads(draw):
         enable_prefix_caching=draw(st.booleans()),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1, 0.3])),
         max_model_len=None if chunked else budget,
+        preemption_mode=draw(st.sampled_from(modes)),
     )
+    if config["preemption_mode"] != "recompute":
+        config.update(num_host_blocks=draw(st.integers(1, 24)), kv_block_bytes=1000, cost_model=AUTO_COSTS)
     requests = []
-    for i in range(draw(st.integers(1, 10))):
+    for i in range(draw(st.integers(3 if tight else 1, 10))):
         prefix = draw(st.sampled_from(PREFIXES))
         suffix = draw(st.lists(st.integers(100, 120), min_size=1, max_size=20))
         requests.append(dict(
             # A few ids are shared: the later request reuses the id once the earlier one is gone.
-            rid=f"r{draw(st.integers(0, 7))}", prompt=prefix + suffix, max_tokens=draw(st.integers(1, 10)),
-            arrival_step=draw(st.integers(0, 12)), priority=draw(st.integers(0, 3)),
+            rid=f"r{draw(st.integers(0, 7))}", prompt=prefix + suffix,
+            max_tokens=draw(st.integers(1, 24 if tight else 10)),
+            arrival_step=draw(st.integers(0, 3 if tight else 12)), priority=draw(st.integers(0, 3)),
             ignore_eos=draw(st.booleans()), salt=draw(st.sampled_from([None, None, "x", "y"])),
             stop_ids=draw(st.lists(st.integers(3, 1000), max_size=3)),
-            abort_step=draw(st.one_of(st.none(), st.integers(0, 30))),
+            abort_step=draw(st.one_of(*[st.none()] * (3 if tight else 1), st.integers(0, 30))),
             stop_string_step=draw(st.one_of(st.none(), st.integers(0, 30)))))
     resets = draw(st.lists(st.integers(0, 30), max_size=3))
     return config, requests, resets
@@ -68,7 +84,18 @@ def workloads(draw):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_keep_every_invariant(workload):
-    config, specs, resets = workload
+    check_workload(*workload)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(modes=("swap", "auto"), tight=True))
+def test_swapping_workloads_keep_every_invariant(workload):
+    """The fake runner copies blocks between its device and host caches as told (and refuses a
+    step that swaps both ways): streams stay exact however often requests are swapped."""
+    check_workload(*workload)
+
+
+def check_workload(config, specs, resets):
     s = create_scheduler(**config)
     runner = PagedFakeRunner(s.block_size, token_fn=model)
     added = []  # (spec, request), in the order they were added
@@ -97,7 +124,9 @@ def test_random_workloads_keep_every_invariant(workload):
         step(s, runner, now=float(t))
         t += 1
     assert not pending and not s.has_unfinished_requests(), "workload did not drain"
-    assert_no_leaks(s)
+    assert_no_leaks(s)  # both tiers
+    by_mode = s.get_stats().num_preemptions_by_mode
+    event(f"{config['preemption_mode']}: swapped {by_mode['swap'] > 0}, recomputed {by_mode['recompute'] > 0}")
     for spec, r in added:
         assert r.is_finished
         full = expected_stream(r.prompt_token_ids, spec["max_tokens"], spec["ignore_eos"], spec["stop_ids"])

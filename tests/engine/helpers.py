@@ -73,13 +73,21 @@ def num_continued_prefill_chunks(outputs: list[SchedulerOutput]) -> int:
 
 def greedy_under_scenario(llm: LLM, prompts: list[list[int]], num_new: int, scenario: str) -> list[list[int]]:
     """Greedy outputs of exactly `num_new` tokens, after checking that the scenario the engine
-    was configured for happened: prefills split into chunks, preemptions, prefix-cache hits."""
+    was configured for happened: prefills split into chunks, preemptions (recompute, swap, auto,
+    swap space too small), prefix-cache hits."""
     schedules = record_schedules(llm.engine)
     params = SamplingParams(max_tokens=num_new, min_tokens=num_new, temperature=0.0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     stats = llm.get_stats()
     if scenario == "preempted":
         assert stats.num_preemptions > 0
+    if scenario == "swapped":  # every preemption a swap, and every swapped request came back
+        assert stats.num_preemptions_by_mode["swap"] == stats.num_preemptions > 0
+        assert stats.num_blocks_swapped_in > 0
+    if scenario == "auto":
+        assert stats.num_preemptions > 0
+    if scenario == "swap_exhausted":  # a one-block host tier: most victims fall back to recompute
+        assert stats.num_preemptions_by_mode["recompute"] > 0
     if scenario == "prefix_hits":
         assert stats.prefix_cache.hits > 0
     if scenario == "chunked":

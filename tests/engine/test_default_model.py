@@ -42,6 +42,11 @@ SCENARIOS = {
     "chunked": dict(num_gpu_blocks_override=512, max_num_batched_tokens=24),
     "preempted": dict(num_gpu_blocks_override=24, block_size=8, max_num_batched_tokens=128),
     "prefix_hits": dict(num_gpu_blocks_override=512, max_num_seqs=2),
+    # 16 MiB of swap space: 45 blocks of 8 tokens (360 kB each in fp32).
+    "swapped": dict(num_gpu_blocks_override=24, block_size=8, max_num_batched_tokens=128,
+                    preemption_mode="swap", swap_space=2**-6),
+    "auto": dict(num_gpu_blocks_override=24, block_size=8, max_num_batched_tokens=128,
+                 preemption_mode="auto", swap_space=2**-6),
 }
 
 

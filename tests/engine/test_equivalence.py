@@ -31,6 +31,13 @@ SCENARIOS = {
     "chunked": dict(num_gpu_blocks_override=256, max_num_batched_tokens=16),
     "preempted": dict(num_gpu_blocks_override=24, max_num_batched_tokens=64, block_size=8),
     "prefix_hits": dict(num_gpu_blocks_override=256, max_num_seqs=2),
+    # A tiny Llama's block of 8 is 6 kB: 1 MiB of swap space holds every victim, 8 kB one block.
+    "swapped": dict(num_gpu_blocks_override=24, max_num_batched_tokens=64, block_size=8,
+                    preemption_mode="swap", swap_space=2**-10),
+    "auto": dict(num_gpu_blocks_override=24, max_num_batched_tokens=64, block_size=8,
+                 preemption_mode="auto", swap_space=2**-10),
+    "swap_exhausted": dict(num_gpu_blocks_override=24, max_num_batched_tokens=64, block_size=8,
+                           preemption_mode="swap", swap_space=2**-17),
 }
 
 

@@ -66,7 +66,9 @@ def test_counters_and_histograms_after_a_known_workload(server, engine):
         n - 1 for n in max_tokens)
     assert delta(before, after, "tokenweir:prefix_cache_queries_total") == sum(prompt_lens)
     assert delta(before, after, "tokenweir:prefix_cache_hits_total") == 0
-    assert delta(before, after, "tokenweir:num_preemptions_total") == 0
+    for mode in ("recompute", "swap"):
+        assert ("tokenweir:num_preemptions_total", frozenset({"model_name": MODEL, "mode": mode}.items())) in after
+        assert delta(before, after, "tokenweir:num_preemptions_total", mode=mode) == 0
 
 
 def test_prefix_cache_hits_are_counted(server, engine):
@@ -86,10 +88,11 @@ def test_prefix_cache_hits_are_counted(server, engine):
 def test_every_metric_is_exported_with_the_model_name(server):
     samples = scrape(server)
     names = {name for name, labels in samples if ("model_name", MODEL) in labels}
-    for gauge in ["num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc"]:
+    for gauge in ["num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+                  "cpu_cache_usage_perc"]:
         assert f"tokenweir:{gauge}" in names
     for counter in ["prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
-                    "generation_tokens", "request_success"]:
+                    "generation_tokens", "request_success", "num_blocks_swapped_out", "num_blocks_swapped_in"]:
         assert f"tokenweir:{counter}_total" in names
     for histogram in HISTOGRAMS + ["inter_token_latency_seconds", "iteration_tokens_total"]:
         assert f"tokenweir:{histogram}_bucket" in names

@@ -1,4 +1,5 @@
-"""Per-request block tables on top of the block pool: prefix lookup, allocation, free.
+"""Per-request block tables on top of the block pool: prefix lookup, allocation, free, and the
+host tier that swap preemption copies blocks to.
 
 Block keys are chained (core/block_hash.py): key(parent key, the block's token ids), with extra
 keys (the cache salt) folded into the first parent, so a block is only ever shared by requests
@@ -57,15 +58,22 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+SwapPairs = list[tuple[int, int]]  # (device block id, host block id)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 watermark_blocks: int = 0, hasher: Optional[BlockHasher] = None) -> None:
+                 watermark_blocks: int = 0, hasher: Optional[BlockHasher] = None,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.watermark_blocks = watermark_blocks
         self.hasher = hasher or BlockHasher()
         self.block_pool = BlockPool(num_blocks)
+        # The host tier (swap space): a pool of its own, never hashed, never shared.
+        self.host_pool: Optional[BlockPool] = BlockPool(num_host_blocks) if num_host_blocks else None
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.req_to_host_blocks: dict[str, list[KVBlock]] = {}  # swapped-out requests' K/V
         # How many leading blocks of each request are already published in the hash map.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_cache_stats = PrefixCacheStats()
@@ -225,12 +233,85 @@ class KVCacheManager:
             stats.hits += num_hit_tokens
 
     def free(self, request: Request) -> None:
-        """Return the request's blocks, tail first: the tail is the least likely to be shared,
-        so it should be the first to be evicted."""
+        """Return the request's blocks of both tiers, device blocks tail first: the tail is the
+        least likely to be shared, so it should be the first to be evicted."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
+        host_blocks = self.req_to_host_blocks.pop(request.request_id, None)
+        if host_blocks:
+            assert self.host_pool is not None
+            self.host_pool.free_blocks(host_blocks)
+
+    # ------------------------------------------------------------------ swap (host tier)
+    #
+    # Swap-out copies every block that holds computed K/V to the host, shared ones (ref > 1)
+    # included, and then drops the request's device references exactly as `free` does. So a
+    # swap victim frees the same device blocks as a recompute victim (`can_allocate(freeing=)`
+    # plans both alike), and a swapped request never depends on a device block it does not
+    # hold. Swap-in reuses a block that is still in the prefix cache (its own published blocks,
+    # or a prefix other requests hold) instead of copying it back.
+
+    def get_num_swap_blocks(self, request: Request) -> int:
+        """Blocks a swap-out of `request` copies: those holding its computed tokens."""
+        return -(-request.num_computed_tokens // self.block_size)
+
+    def get_num_shared_blocks(self, request: Request) -> int:
+        """Blocks of `request` that another request also holds: they stay in the device cache
+        when it leaves, so a return (by swap or recompute) is expected to find them."""
+        return sum(1 for b in self.req_to_blocks.get(request.request_id, ()) if b.ref_cnt > 1)
+
+    def get_num_free_host_blocks(self) -> int:
+        return self.host_pool.get_num_free_blocks() if self.host_pool else 0
+
+    def get_host_usage(self) -> Optional[float]:
+        return self.host_pool.get_usage() if self.host_pool else None
+
+    def can_swap_out(self, request: Request) -> bool:
+        num = self.get_num_swap_blocks(request)
+        return 0 < num <= self.get_num_free_host_blocks()
+
+    def swap_out(self, request: Request) -> SwapPairs:
+        """Move the request's computed K/V to host blocks and free its device blocks at once;
+        returns the copies the runner must make before this step's forward pass writes into
+        the freed blocks. Call only when `can_swap_out`."""
+        assert self.host_pool is not None and request.request_id not in self.req_to_host_blocks
+        num = self.get_num_swap_blocks(request)
+        device_blocks = self.req_to_blocks[request.request_id][:num]
+        host_blocks = self.host_pool.get_new_blocks(num)
+        self.free(request)  # its device blocks only: it holds no host blocks yet
+        self.req_to_host_blocks[request.request_id] = host_blocks
+        return [(d.block_id, h.block_id) for d, h in zip(device_blocks, host_blocks)]
+
+    def swap_in(self, request: Request, num_new_tokens: int,
+                apply_watermark: bool = False) -> Optional[SwapPairs]:
+        """Device blocks for a swapped-out request's computed tokens plus `num_new_tokens` more,
+        all or nothing (None, nothing changed, if they do not fit). Returns the copies the
+        runner must make before attention reads them; the host blocks are freed at once."""
+        rid = request.request_id
+        host_blocks = self.req_to_host_blocks[rid]
+        num_required = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        hits: dict[int, KVBlock] = {}
+        if self.enable_caching:
+            for i, block_hash in enumerate(request.block_hashes[:len(host_blocks)]):
+                block = self.block_pool.get_cached_block(block_hash)
+                if block is not None:
+                    hits[i] = block
+        num_new = num_required - len(hits)
+        if not self._fits(num_new, KVCacheBlocks(tuple(hits.values())), apply_watermark):
+            return None
+        self.block_pool.touch(hits.values())  # before taking new blocks, so none is evicted
+        new_blocks = iter(self.block_pool.get_new_blocks(num_new))
+        blocks = [hits[i] if i in hits else next(new_blocks) for i in range(num_required)]
+        self.req_to_blocks[rid] = blocks
+        # Copied-in blocks carry no hash: publishing from the first block again (cache_blocks)
+        # restores their prefix-cache entries where no other copy took them meanwhile.
+        self.num_cached_blocks[rid] = 0
+        pairs = [(blocks[i].block_id, h.block_id) for i, h in enumerate(host_blocks) if i not in hits]
+        assert self.host_pool is not None
+        self.host_pool.free_blocks(self.req_to_host_blocks.pop(rid))
+        return pairs
 
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

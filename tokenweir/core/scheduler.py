@@ -2,9 +2,9 @@
 
 There are no prefill and decode phases. Each step every chosen request gets a number of tokens
 to compute (a prefill chunk or one decode token) within the step's limits (a token budget and a
-sequence cap, from the batch controller): running requests first, then waiting ones in policy
-order. Time only enters as `now=` arguments, so the simulator and the real engine make the same
-decisions.
+sequence cap, from the batch controller): running requests first, then swapped-out ones whose
+blocks fit back, then waiting ones in policy order. Time only enters as `now=` arguments, so
+the simulator and the real engine make the same decisions.
 
 A step is a transaction: every `schedule()` is followed by exactly one `update_from_output()`
 (it ran) or `fail_step()` (it did not), and nothing else is scheduled in between.
@@ -19,15 +19,18 @@ from typing import Iterable, Optional
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_control import BatchController, StaticBatchController, StepLimits
 from tokenweir.core.block_hash import BlockHasher
-from tokenweir.core.kv_cache_manager import KVCacheBlocks, KVCacheManager, PrefixCacheStats
+from tokenweir.core.cost_model import StepCostModel, load_cost_model
+from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks, KVCacheManager, PrefixCacheStats, SwapPairs
 from tokenweir.core.policies import SchedulingPolicy, ServedRequest, create_policy
+from tokenweir.core.preemption import PREEMPTION_KINDS, PreemptionChooser
 from tokenweir.request import Request, RequestStatus, SamplingParams
 
 
 @dataclass(slots=True)
 class NewRequestData:
-    """A request the runner has no state for: first admission, or resumption after recompute
-    preemption (then `token_ids` includes the outputs generated so far)."""
+    """A request the runner has no state for: first admission, or resumption after a preemption
+    (then `token_ids` includes the outputs generated so far; after a swap, `num_computed_tokens`
+    are the tokens whose K/V `blocks_to_swap_in` brings back)."""
 
     request_id: str
     token_ids: list[int]
@@ -53,11 +56,13 @@ class SchedulerOutput:
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
     total_num_scheduled_tokens: int
-    preempted_req_ids: set[str]  # the runner drops their state
+    preempted_req_ids: set[str]  # the runner drops their state (swapped ones too)
     finished_req_ids: set[str]  # finished or aborted since the previous step
-    # Swap preemption seam: (source block id, destination block id) pairs.
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Swap preemption: (device block id, host block id) pairs, in both lists. The runner copies
+    # out before the forward pass (the freed device blocks may be written in this step) and in
+    # before attention reads; a step never has both.
+    blocks_to_swap_out: SwapPairs = field(default_factory=list)
+    blocks_to_swap_in: SwapPairs = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -77,6 +82,10 @@ class SchedulerStats:
     num_preemptions: int  # cumulative
     prefix_cache: PrefixCacheStats  # cumulative
     policy: dict[str, object] = field(default_factory=dict)  # the policy's own state (get_stats)
+    num_preemptions_by_mode: dict[str, int] = field(default_factory=dict)  # cumulative, "recompute" | "swap"
+    num_blocks_swapped_out: int = 0  # cumulative copies
+    num_blocks_swapped_in: int = 0
+    swap_space_usage: Optional[float] = None  # 0..1 of the host tier; None without one
 
 
 @dataclass
@@ -89,6 +98,9 @@ class _StepState:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     admitted: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
+    swapped_out: list[Request] = field(default_factory=list)
+    blocks_to_swap_out: SwapPairs = field(default_factory=list)
+    blocks_to_swap_in: SwapPairs = field(default_factory=list)
 
 
 @dataclass
@@ -98,16 +110,20 @@ class _InFlight:
 
     step_id: int
     requests: dict[str, Request]
+    swapped_out: list[Request]  # their K/V exist only if the step's copies ran
 
 
 class Scheduler:
-    """Parts are injectable (defaults from the configs): the policy, the KV cache manager and
-    the batch controller that sets each step's limits."""
+    """Parts are injectable (defaults from the configs): the policy, the KV cache manager, the
+    batch controller that sets each step's limits, and the cost model that `auto` preemption
+    prices victims with (default: the shipped profile; the engine passes one whose swap term is
+    this device's measured copy bandwidth)."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, *,
                  policy: Optional[SchedulingPolicy] = None,
                  kv_cache_manager: Optional[KVCacheManager] = None,
-                 batch_controller: Optional[BatchController] = None) -> None:
+                 batch_controller: Optional[BatchController] = None,
+                 cost_model: Optional[StepCostModel] = None) -> None:
         self.config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -115,7 +131,12 @@ class Scheduler:
             num_blocks=cache_config.num_blocks, block_size=cache_config.block_size,
             enable_caching=cache_config.enable_prefix_caching,
             watermark_blocks=cache_config.watermark_blocks,
-            hasher=BlockHasher(cache_config.prefix_cache_hash_key))
+            hasher=BlockHasher(cache_config.prefix_cache_hash_key),
+            num_host_blocks=cache_config.num_host_blocks)
+        if cost_model is None and cache_config.preemption_mode == "auto":
+            cost_model = load_cost_model(None)
+        self.preemption = PreemptionChooser(cache_config.preemption_mode, self.kv_cache_manager,
+                                            cost_model, cache_config.kv_block_bytes)
         self.policy = policy or create_policy(scheduler_config.policy, scheduler_config.policy_config)
         # A record per scheduled request per step is a noticeable share of a decode step's cost:
         # build them only for a policy that reads them.
@@ -126,12 +147,15 @@ class Scheduler:
         self.batch_controller = batch_controller or StaticBatchController(
             StepLimits(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs))
         self.waiting = self.policy.make_waiting_queue()
+        self.swapped = self.policy.make_waiting_queue()  # swapped out, in the policy's order
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}  # every unfinished request
         self._finished_req_ids: set[str] = set()
         self._step_ids = itertools.count()
         self._in_flight: Optional[_InFlight] = None
         self.num_preemptions = 0
+        self.num_preemptions_by_mode = dict.fromkeys(PREEMPTION_KINDS, 0)
+        self.num_blocks_swapped_out = self.num_blocks_swapped_in = 0
         # A request can never outgrow the pool, nor (without chunking) the step budget.
         limits = [cache_config.num_blocks * cache_config.block_size]
         if scheduler_config.max_model_len is not None:
@@ -180,12 +204,15 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self.swapped.remove(request)
             else:
                 self.waiting.remove(request)
             self._finish(request, status, now)
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:
-        """Terminal bookkeeping; the caller has already taken it out of running/waiting."""
+        """Terminal bookkeeping (both tiers' blocks are freed); the caller has already taken it
+        out of its queue."""
         request.status = status
         request.finished_time = now
         self.kv_cache_manager.free(request)
@@ -212,10 +239,14 @@ class Scheduler:
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
-                              num_swapped=0, kv_cache_usage=kv.get_usage(),
+                              num_swapped=len(self.swapped), kv_cache_usage=kv.get_usage(),
                               num_preemptions=self.num_preemptions,
                               prefix_cache=PrefixCacheStats(**vars(kv.prefix_cache_stats)),
-                              policy=self.policy.get_stats())
+                              policy=self.policy.get_stats(),
+                              num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
+                              num_blocks_swapped_out=self.num_blocks_swapped_out,
+                              num_blocks_swapped_in=self.num_blocks_swapped_in,
+                              swap_space_usage=kv.get_host_usage())
 
     # ------------------------------------------------------------------ one step
 
@@ -241,15 +272,21 @@ class Scheduler:
             if blocks is not None:
                 self._schedule_tokens(request, num_new, blocks, step)
 
-        # 2. Waiting requests, in policy order, while budget, sequence slots and blocks last. One
-        # that cannot be admitted now keeps its place; the policy says how many may pass it.
+        # 2. Swapped-out requests come back when their blocks fit, but never in a step that
+        # swapped out: its copies out and in could overwrite each other's blocks.
+        if not step.blocks_to_swap_out:
+            self._swap_in(step, now)
+
+        # 3. Waiting requests, in policy order, while budget, sequence slots and blocks last. One
+        # that cannot be admitted now keeps its place; the policy says how many may pass it. None
+        # passes a request swapped out before it arrived, which would otherwise wait for good.
         passed_over: list[Request] = []
         lookahead = self.policy.admission_lookahead()
         while self.waiting and step.budget > 0:
             # Off the queue while deciding: a victim preempted to make room for it goes back to
             # the queue's front, and must not be mistaken for it.
             request = self.waiting.pop()
-            if self._try_admit(request, step, now):
+            if not self._swapped_before(request) and self._try_admit(request, step, now):
                 continue
             passed_over.append(request)
             if len(passed_over) > lookahead or len(self.running) >= limits.max_num_seqs:
@@ -267,6 +304,29 @@ class Scheduler:
                              f"(max_num_batched_tokens={self.config.max_num_batched_tokens}, "
                              f"max_num_seqs={self.config.max_num_seqs})")
         return limits
+
+    def _swapped_before(self, request: Request) -> bool:
+        """Whether a request that arrived no later than `request` is swapped out."""
+        return any(r.arrival_time <= request.arrival_time for r in self.swapped)
+
+    def _swap_in(self, step: _StepState, now: float) -> None:
+        """Bring swapped-out requests back in policy order, each with its next tokens, while
+        their blocks fit above the watermark; the first that does not fit stops the pass."""
+        while self.swapped and step.budget > 0 and len(self.running) < step.limits.max_num_seqs:
+            request = self.swapped.pop()
+            num_new = request.num_tokens - request.num_computed_tokens
+            pairs = None
+            if self.config.enable_chunked_prefill or num_new <= step.budget:
+                num_new = self._cap_tokens(num_new, step.budget)
+                # As for an admission: the reserve holds unless nothing else runs.
+                pairs = self.kv_cache_manager.swap_in(request, num_new, apply_watermark=bool(self.running))
+            if pairs is None:
+                self.swapped.push_front(request)
+                return
+            step.blocks_to_swap_in.extend(pairs)
+            self.num_blocks_swapped_in += len(pairs)
+            self._admit(request, request.num_computed_tokens, now, step)
+            self._schedule_tokens(request, num_new, EMPTY_BLOCKS, step)
 
     def _try_admit(self, request: Request, step: _StepState, now: float) -> bool:
         """Admit a waiting request and schedule its first chunk; False, with nothing changed,
@@ -345,18 +405,36 @@ class Scheduler:
                 return None
 
     def _preempt(self, victim: Request, step: _StepState) -> None:
-        """Recompute preemption: free the victim's blocks and send it back to wait. If it was
-        already given tokens this step, hand them back to the budget."""
+        """Swap the victim out (its computed K/V to host blocks, to the swapped queue) or
+        recompute it (blocks freed, back to the front of waiting), as the preemption mode
+        chooses; either way its device blocks are free at once. If it was already given tokens
+        this step, hand them back to the budget."""
         self.running.remove(victim)
-        self.kv_cache_manager.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
+        kind = self.preemption.choose(victim, may_swap=not step.blocks_to_swap_in)
+        if kind == "swap":
+            pairs = self.kv_cache_manager.swap_out(victim)
+            step.blocks_to_swap_out.extend(pairs)
+            step.swapped_out.append(victim)
+            self.num_blocks_swapped_out += len(pairs)
+            victim.status = RequestStatus.SWAPPED
+            # To the front, as recompute victims go back to waiting: victims are taken latest
+            # first, so an FCFS queue stays in arrival order.
+            self.swapped.push_front(victim)
+        else:
+            self._send_back_to_wait(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.push_front(victim)
+        self.num_preemptions_by_mode[kind] += 1
         step.preempted.add(victim.request_id)
         # Its block ids and admission need no undoing: the output is built from `running`.
         step.budget += step.num_scheduled.pop(victim.request_id, 0)
+
+    def _send_back_to_wait(self, request: Request) -> None:
+        """Recompute preemption: free its blocks (both tiers), to the front of waiting."""
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.push_front(request)
 
     def _admit(self, request: Request, num_hit: int, now: float, step: _StepState) -> None:
         request.status = RequestStatus.RUNNING
@@ -403,14 +481,16 @@ class Scheduler:
                                f"(max_num_seqs={self.config.max_num_seqs})")
         finished = self.take_finished_req_ids()
         step_id = next(self._step_ids)
-        self._in_flight = _InFlight(step_id, {rid: self.requests[rid] for rid in step.num_scheduled})
+        self._in_flight = _InFlight(step_id, {rid: self.requests[rid] for rid in step.num_scheduled},
+                                    step.swapped_out)
         # A request preempted and re-admitted within one step is in both preempted_req_ids and
         # new_reqs: runners drop preempted state before taking in new requests.
         return SchedulerOutput(
             step_id=step_id, scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=limits.max_num_batched_tokens - step.budget,
-            preempted_req_ids=step.preempted, finished_req_ids=finished)
+            preempted_req_ids=step.preempted, finished_req_ids=finished,
+            blocks_to_swap_out=step.blocks_to_swap_out, blocks_to_swap_in=step.blocks_to_swap_in)
 
     # ------------------------------------------------------------------ results of a step
 
@@ -473,9 +553,14 @@ class Scheduler:
     def fail_step(self, scheduler_output: SchedulerOutput, now: float = 0.0) -> list[Request]:
         """The step did not run (or its results could not be applied): abort the requests it
         scheduled that are still unfinished, freeing their blocks, and return them. Requests
-        the step did not schedule are untouched."""
+        the step did not schedule go on; those it swapped out, whose copies may never have been
+        made, are recomputed instead."""
         in_flight = self._take_in_flight(scheduler_output)
         self._in_flight = None
+        for request in in_flight.swapped_out:
+            if request.status == RequestStatus.SWAPPED and self.requests.get(request.request_id) is request:
+                self.swapped.remove(request)
+                self._send_back_to_wait(request)
         failed = [r for r in in_flight.requests.values() if not r.is_finished]
         self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ABORTED, now)
         return failed

@@ -9,6 +9,7 @@ produced in one `StepResult`.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ import torch
 
 from tokenweir.checks import is_integer
 from tokenweir.config import EngineArgs
+from tokenweir.core.cost_model import StepCostModel, load_cost_model
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tokenweir.engine.cpu_allocator import keep_freed_memory
 from tokenweir.engine.output import OutputProcessor, OutputState, RequestOutput
@@ -75,15 +77,16 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         arch = self.loaded.arch
         num_blocks = _num_kv_blocks(args, self.loaded)
-        self.kv_bytes_per_block = kv_cache_bytes_per_block(arch, args.block_size, self.loaded.dtype)
+        self.kv_bytes_per_block = per_block = kv_cache_bytes_per_block(arch, args.block_size, self.loaded.dtype)
+        num_host_blocks = args.num_host_blocks(per_block)
         self.cache_config, self.scheduler_config = args.create_engine_configs(
-            arch.max_model_len, num_blocks)
+            arch.max_model_len, num_blocks, num_host_blocks=num_host_blocks, kv_block_bytes=per_block)
         self.served_model_name = args.served_model_name or self.loaded.name
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, args.seed, num_host_blocks)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, cost_model=self._cost_model())
         # The longest request (prompt + output): the scheduler's limit, which also counts the
         # KV pool and, without chunked prefill, the step budget. Everyone reads it from here.
         self.max_model_len = self.scheduler.max_model_len
-        self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, args.seed)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.states: dict[str, OutputState] = {}
         num_tokens = num_blocks * args.block_size
@@ -92,6 +95,17 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency for %d tokens "
                     "per request: %.2fx", num_blocks, args.block_size, num_tokens, self.max_model_len,
                     num_tokens / self.max_model_len)
+
+    def _cost_model(self) -> Optional[StepCostModel]:
+        """For `auto` preemption: the shipped step-cost profile, its swap term replaced by the
+        copy bandwidth measured here, on this device's own caches, before any request runs."""
+        host = self.runner.host_kv_cache
+        if self.cache_config.preemption_mode != "auto" or host is None:
+            return None
+        bandwidth = host.measure_bandwidth(self.runner.kv_caches)
+        logger.info("swap space: %d blocks (%.2f GiB); measured copy bandwidth %.2f GB/s",
+                    host.num_blocks, self.args.swap_space, bandwidth / 1e9)
+        return dataclasses.replace(load_cost_model(None), swap_bytes_per_second=bandwidth)
 
     # ------------------------------------------------------------------ requests
 

@@ -10,6 +10,11 @@ A step is a transaction: the scheduler's `num_computed_tokens` says where each r
 step's new requests, block ids and sampled tokens only once the forward pass and sampling have
 succeeded. A step that raised leaves the runner as it was, so the same SchedulerOutput can be
 run again, or its requests dropped (`drop_requests`).
+
+Swap preemption: a swapped-out request is dropped like a preempted one (its generator kept) and
+comes back as a new request whose computed tokens' K/V the step's swap-in copies restore. The
+copies come first in a step: out before the forward pass writes into the freed device blocks,
+in before attention reads them.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from tokenweir.core.scheduler import NewRequestData, SchedulerOutput
 from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches
 from tokenweir.model.loader import LoadedModel
 from tokenweir.model.sampler import Sampler, SamplingMetadata
+from tokenweir.model.swap import HostKVCache
 from tokenweir.request import SamplingParams
 
 Logprobs = tuple[float, list[tuple[int, float]]]  # sampled token's logprob, top (token, logprob)
@@ -44,11 +50,16 @@ class _RequestState:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0) -> None:
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
+                 num_host_blocks: int = 0) -> None:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
         self.kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, loaded.dtype, loaded.device)
+        self.host_kv_cache = HostKVCache(self.kv_caches, num_host_blocks) if num_host_blocks else None
+        # The last step whose swap-out copies were made: a step run again after it raised must
+        # not copy again, since its first attempt may have written into the freed blocks.
+        self._swapped_out_step: Optional[int] = None
         self.sampler = Sampler()
         self.requests: dict[str, _RequestState] = {}
         # Seeded requests' generators, kept from first admission to finish: a preempted request
@@ -76,10 +87,22 @@ class ModelRunner:
         return _RequestState(list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
                              new.sampling_params, generator)
 
+    def _swap(self, out: SchedulerOutput) -> None:
+        if not (out.blocks_to_swap_out or out.blocks_to_swap_in):
+            return
+        if self.host_kv_cache is None:
+            raise RuntimeError(f"step {out.step_id} swaps blocks, but this runner has no swap space")
+        if out.blocks_to_swap_out and self._swapped_out_step != out.step_id:
+            self.host_kv_cache.swap_out(self.kv_caches, out.blocks_to_swap_out)
+            self._swapped_out_step = out.step_id
+        # Idempotent: no step swaps out between a swap-in's schedule and its run.
+        self.host_kv_cache.swap_in(self.kv_caches, out.blocks_to_swap_in)
+
     def execute_model(self, out: SchedulerOutput) -> ModelRunnerOutput:
         # Drops are idempotent, so they may happen before the step can still fail.
         self.drop_requests(out.finished_req_ids)
         self.drop_requests(out.preempted_req_ids, keep_generators=True)
+        self._swap(out)  # even in a step that computes nothing: its victims' K/V must go out
         # The step's view of each request, committed to self.requests only after sampling.
         states = {new.request_id: self._new_state(new) for new in out.scheduled_new_reqs}
         block_tables = {rid: s.block_ids for rid, s in states.items()}

@@ -75,7 +75,8 @@ class _Tracking:
 def scheduler_configs(args: EngineArgs, model_max_len: int, kv_cache_bytes: int,
                       kv_bytes_per_token: int) -> tuple[CacheConfig, SchedulerConfig]:
     """The configs the engine would build with these args on the profiled device: its KV pool
-    is `kv_cache_memory` if given (else the pool the profile was taken with), in blocks."""
+    is `kv_cache_memory` if given (else the pool the profile was taken with), in blocks, and
+    its host tier `swap_space`."""
     per_block = kv_bytes_per_token * args.block_size
     if args.num_gpu_blocks_override is not None:
         num_blocks = args.num_gpu_blocks_override
@@ -83,7 +84,8 @@ def scheduler_configs(args: EngineArgs, model_max_len: int, kv_cache_bytes: int,
         num_blocks = (args.kv_cache_bytes() or kv_cache_bytes) // per_block
     if num_blocks < 1:
         raise ValueError(f"the KV pool holds no block of {per_block} bytes")
-    return args.create_engine_configs(model_max_len, num_blocks)
+    return args.create_engine_configs(model_max_len, num_blocks, num_host_blocks=args.num_host_blocks(per_block),
+                                      kv_block_bytes=per_block)
 
 
 class Simulator:
@@ -103,7 +105,8 @@ class Simulator:
                              "kv_cache_bytes, kv_bytes_per_block or block_size; take it with "
                              "`tokenweir profile`") from None
         cache_cfg, sched_cfg = scheduler_configs(args, model_max_len, kv_cache_bytes, per_token)
-        return cls(Scheduler(sched_cfg, cache_cfg), cost_model, per_token * args.block_size,
+        # `auto` preemption decides by this very model, so a simulated choice is the engine's.
+        return cls(Scheduler(sched_cfg, cache_cfg, cost_model=cost_model), cost_model, per_token * args.block_size,
                    timeseries_points, on_step)
 
     def __init__(self, scheduler: Scheduler, cost_model: StepCostModel, kv_bytes_per_block: int,
