@@ -60,11 +60,14 @@ class SLAPolicy(SchedulingPolicy):
         self._deadlines_kept = 0
         self._seq = itertools.count()
         self.explained: dict[str, ScoreParts] = {}
-        self._queue: Optional[SLAQueue] = None
+        # Every queue this policy ordered (the scheduler's waiting queue and its swapped queue):
+        # each step re-weighs all of them.
+        self._queues: list[SLAQueue] = []
 
     def make_waiting_queue(self) -> RequestQueue:
-        self._queue = SLAQueue(self.config, self.counters, self._on_added, self._on_popped)
-        return self._queue
+        queue = SLAQueue(self.config, self.counters, self._on_added, self._on_popped)
+        self._queues.append(queue)
+        return queue
 
     # ------------------------------------------------------------ arrivals and time
 
@@ -89,11 +92,11 @@ class SLAPolicy(SchedulingPolicy):
         self.load_adjustment = max(0.0, 1.0 + (self.load - cfg.load_threshold) * cfg.load_sensitivity)
         self._decay(now)
         self._update_fairness()
-        queue = self._queue
-        assert queue is not None and waiting is queue
-        queue.urgency_scale = cfg.urgency_weight * self.load_adjustment
-        queue.class_terms = self.fairness
-        queue.age(now)
+        assert any(waiting is q for q in self._queues), "the waiting queue must be one this policy made"
+        for queue in self._queues:
+            queue.urgency_scale = cfg.urgency_weight * self.load_adjustment
+            queue.class_terms = self.fairness
+            queue.age(now)
 
     def _decay(self, now: float) -> None:
         dt = now - self._decayed_at
