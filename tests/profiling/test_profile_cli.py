@@ -53,6 +53,7 @@ def test_profile_serving_fits_the_servers_own_step_trace(tiny_model_dir, tmp_pat
 def test_step_trace_records_loop_periods_and_skips_idle_gaps(tmp_path) -> None:
     path = tmp_path / "t.jsonl"
     trace = StepTrace(path)
+    trace.write_header({"model": "m", "kv_bytes_per_block": 64})
     a = StepComposition(num_decode_seqs=2, decode_context_tokens=10, num_sampled=2)
     b = StepComposition(num_prefill_tokens=5, num_prefill_seqs=1, prefill_attention_pairs=15)
     trace.step_started(a)
@@ -62,8 +63,15 @@ def test_step_trace_records_loop_periods_and_skips_idle_gaps(tmp_path) -> None:
     trace.step_started(StepComposition())  # closes a; an empty step is not kept
     trace.step_started(b)
     trace.close()
-    samples = read_step_trace(path)
+    engine, samples = read_step_trace(path)
+    assert engine == {"model": "m", "kv_bytes_per_block": 64}
     assert [c for c, _ in samples] == [a, a] and all(s > 0 for _, s in samples)
     path.write_text('{"num_prefill_tokens": 1}\n')
-    with pytest.raises(ValueError, match="line 1: not a step record"):
+    with pytest.raises(ValueError, match="line 1: not the engine header"):
+        read_step_trace(path)
+    path.write_text('{"engine": {}}\n{"num_prefill_tokens": 1}\n')
+    with pytest.raises(ValueError, match="line 2: not a step record"):
+        read_step_trace(path)
+    path.write_text("")
+    with pytest.raises(ValueError, match="is empty"):
         read_step_trace(path)

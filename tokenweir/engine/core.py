@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import platform
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -95,6 +96,24 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency for %d tokens "
                     "per request: %.2fx", num_blocks, args.block_size, num_tokens, self.max_model_len,
                     num_tokens / self.max_model_len)
+
+    def describe(self) -> dict:
+        """What a cost profile records about the engine it measured (and the simulator sizes its
+        KV pool and limits from): model, dtype, device, threads, block size and the KV pool."""
+        device = self.loaded.device
+        return {
+            "model": self.served_model_name,
+            "model_path": str(self.loaded.path),  # its tokenizer, for exact prompt lengths
+            "dtype": str(self.loaded.dtype).removeprefix("torch."),
+            "device": str(device),
+            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else platform.processor() or platform.machine()),
+            "torch_threads": torch.get_num_threads(),
+            "max_model_len": self.loaded.arch.max_model_len,
+            "block_size": self.cache_config.block_size,
+            "kv_bytes_per_block": self.kv_bytes_per_block,
+            "kv_cache_bytes": self.cache_config.num_blocks * self.kv_bytes_per_block,
+        }
 
     def _cost_model(self) -> Optional[StepCostModel]:
         """For `auto` preemption: the shipped step-cost profile, its swap term replaced by the

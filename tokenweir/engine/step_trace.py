@@ -20,11 +20,16 @@ from tokenweir.core.cost_model import StepComposition
 
 
 class StepTrace:
+    """The first line is a header, `{"engine": EngineCore.describe()}`: what ran the steps."""
+
     def __init__(self, path: str | Path) -> None:
         # Line-buffered: a server stopped by a signal may never reach close() (uvicorn re-raises
         # SIGTERM once it has shut down), and every step written so far must be on disk.
         self._file: IO[str] = open(path, "w", buffering=1)
         self._pending: Optional[tuple[StepComposition, float]] = None
+
+    def write_header(self, engine: dict) -> None:
+        self._file.write(json.dumps({"engine": engine}) + "\n")
 
     def step_started(self, comp: StepComposition) -> None:
         """A step has been scheduled; closes the previous one, if the loop went straight on."""
@@ -42,14 +47,22 @@ class StepTrace:
         self._file.close()
 
 
-def read_step_trace(path: str | Path) -> list[tuple[StepComposition, float]]:
+def read_step_trace(path: str | Path) -> tuple[dict, list[tuple[StepComposition, float]]]:
+    """(the engine's description from the header, the steps)."""
     fields = {f.name for f in dataclasses.fields(StepComposition)}
+    engine: Optional[dict] = None
     samples = []
     with open(path) as f:
         for number, line in enumerate(f, 1):
             try:
                 row = json.loads(line)
+                if number == 1:
+                    engine = dict(row["engine"])
+                    continue
                 samples.append((StepComposition(**{k: int(row[k]) for k in fields}), float(row["seconds"])))
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"step trace {path}, line {number}: not a step record ({e})") from None
-    return samples
+                what = "the engine header" if number == 1 else "a step record"
+                raise ValueError(f"step trace {path}, line {number}: not {what} ({e})") from None
+    if engine is None:
+        raise ValueError(f"step trace {path} is empty")
+    return engine, samples

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import sys
 import time
 from datetime import datetime, timezone
@@ -60,26 +59,8 @@ def build_engine(args: EngineArgs, grid: ProfileGrid):
     return EngineCore(args)
 
 
-def engine_metadata(name: str, loaded, args: EngineArgs, num_blocks: int, per_block: int,
-                    serving_threads: bool) -> dict:
-    """What a profile records about the engine it measured; the simulator sizes its KV pool and
-    its limits from it."""
-    return {
-        "model": name,
-        "model_path": str(loaded.path),  # its tokenizer, for exact prompt lengths
-        "dtype": str(loaded.dtype).removeprefix("torch."),
-        "device": str(loaded.device),
-        "device_name": (torch.cuda.get_device_name(loaded.device)
-                        if loaded.device.type == "cuda" else platform.processor() or platform.machine()),
-        "torch_threads": torch.get_num_threads(),
-        "max_model_len": loaded.arch.max_model_len,
-        "serving_threads": serving_threads,
-        "block_size": args.block_size,
-        "kv_bytes_per_block": per_block,
-        # The engine's KV pool with these flags: the simulator's default pool.
-        "kv_cache_bytes": num_blocks * per_block,
-        "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-    }
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def fit_profile(samples: list[StepSample], bandwidth: float, metadata: dict,
@@ -116,10 +97,9 @@ def profile(args: EngineArgs, grid: ProfileGrid, serving_threads: bool,
     start = time.perf_counter()
     for _ in run_grid(timer, grid, log):
         pass
-    metadata = engine_metadata(engine.served_model_name, engine.loaded, args, engine.cache_config.num_blocks,
-                               engine.kv_bytes_per_block, serving_threads)
-    metadata.update(torch_threads=full_threads, source="engine step grid", grid=args_grid_dict(grid),
-                    profile_seconds=round(time.perf_counter() - start, 1))
+    metadata = {**engine.describe(), "torch_threads": full_threads, "serving_threads": serving_threads,
+                "source": "engine step grid", "grid": args_grid_dict(grid), "measured_at": utc_now(),
+                "profile_seconds": round(time.perf_counter() - start, 1)}
     return fit_profile(timer.samples, measure_copy_bandwidth(engine.runner.kv_caches), metadata, small_steps)
 
 

@@ -27,12 +27,15 @@ from tokenweir.config import EngineArgs
 from tokenweir.core.cost_model import StepComposition
 from tokenweir.profiling.measure import StepSample, measure_copy_bandwidth
 
-# (client concurrency, requests) per phase of the load; prompts of 20-780 tokens, outputs of
-# 5-187 tokens, so that phases hold decode batches near their concurrency with prefills mixed in.
-PHASES = ((1, 4), (2, 6), (4, 10), (8, 16), (16, 28), (32, 44), (64, 76))
+# (client concurrency, requests, request rate) per phase of the load; prompts of 20-780 tokens,
+# outputs of 5-187. Closed-loop phases hold decode batches near their concurrency; open-loop
+# (Poisson) phases send prompts into running batches, as real traffic does, so that large
+# mixed steps (a whole prompt next to tens of decodes) are measured too.
+PHASES = ((1, 4, None), (2, 6, None), (4, 10, None), (8, 16, None), (16, 28, None), (32, 44, None),
+          (64, 76, None), (None, 24, 0.5), (None, 40, 1.5))
 INPUT_LEN, OUTPUT_LEN, RANGE_RATIO = 400, 96, 0.95
 # A first look (and the tests, on tiny models): two short phases of short requests.
-QUICK_PHASES = ((1, 2), (4, 6))
+QUICK_PHASES = ((1, 2, None), (None, 6, 4.0))
 QUICK_INPUT_LEN, QUICK_OUTPUT_LEN = 24, 12
 # The server's first steps pay for lazy kernel builds and allocator growth.
 WARMUP_STEPS = 8
@@ -70,12 +73,14 @@ def _load(base_url: str, quick: bool, tokenizer: str) -> None:
     bench.add_cli_args(parser)
     phases = QUICK_PHASES if quick else PHASES
     input_len, output_len = (QUICK_INPUT_LEN, QUICK_OUTPUT_LEN) if quick else (INPUT_LEN, OUTPUT_LEN)
-    for i, (concurrency, num) in enumerate(phases):
-        print(f"serving profile: {num} requests at concurrency {concurrency}", file=sys.stderr)
+    for i, (concurrency, num, rate) in enumerate(phases):
+        load = f"concurrency {concurrency}" if concurrency else f"{rate} req/s"
+        print(f"serving profile: {num} requests at {load}", file=sys.stderr)
+        shape = ["--max-concurrency", str(concurrency)] if concurrency else ["--request-rate", str(rate)]
         ns = parser.parse_args([
             "--base-url", base_url, "--dataset-name", "random", "--num-prompts", str(num),
             "--random-input-len", str(input_len), "--random-output-len", str(output_len),
-            "--random-range-ratio", str(RANGE_RATIO), "--max-concurrency", str(concurrency),
+            "--random-range-ratio", str(RANGE_RATIO), *shape,
             "--ignore-eos", "--seed", str(1000 + i), "--tokenizer", tokenizer])
         result = bench.main(ns)
         if result["failed"]:
@@ -83,24 +88,12 @@ def _load(base_url: str, quick: bool, tokenizer: str) -> None:
 
 
 def profile_serving(args: EngineArgs, quick: bool = False) -> tuple[dict, str]:
-    from tokenweir.cli import engine_argv
-    from tokenweir.engine.core import _num_kv_blocks
-    from tokenweir.engine.step_trace import read_step_trace
-    from tokenweir.model.arch import kv_cache_bytes_per_block
-    from tokenweir.model.attention import allocate_kv_caches
-    from tokenweir.model.loader import load_model
-    from tokenweir.profiling.profile import engine_metadata, fit_profile
-    from tokenweir.engine.serving_threads import SMALL_STEP_MAX_TOKENS
+    import torch
 
-    # What the server will build, read here without serving: the model's name, dtype, KV pool.
-    loaded = load_model(args.model, args.dtype, args.device)
-    per_block = kv_cache_bytes_per_block(loaded.arch, args.block_size, loaded.dtype)
-    num_blocks = _num_kv_blocks(args, loaded)
-    name = args.served_model_name or loaded.name
-    bandwidth = measure_copy_bandwidth(allocate_kv_caches(loaded.arch, 128, args.block_size,
-                                                          loaded.dtype, loaded.device))
-    metadata = engine_metadata(name, loaded, args, num_blocks, per_block, serving_threads=True)
-    del loaded
+    from tokenweir.cli import engine_argv
+    from tokenweir.engine.serving_threads import SMALL_STEP_MAX_TOKENS
+    from tokenweir.engine.step_trace import read_step_trace
+    from tokenweir.profiling.profile import fit_profile, utc_now
 
     work = Path(tempfile.mkdtemp(prefix="tokenweir-profile-"))
     trace = work / "steps.jsonl"
@@ -114,16 +107,23 @@ def profile_serving(args: EngineArgs, quick: bool = False) -> tuple[dict, str]:
     start = time.perf_counter()
     try:
         wait_healthy(base_url, server)
-        _load(base_url, quick, metadata["model_path"])
+        # The server wrote what it built (model, dtype, device, KV pool) before it answered.
+        engine, _ = read_step_trace(trace)
+        _load(base_url, quick, engine["model_path"])
     finally:
         server.terminate()
         server.wait(timeout=120)
-    samples = [StepSample(comp, seconds, region_of(comp))
-               for comp, seconds in read_step_trace(trace)[WARMUP_STEPS:]]
+    engine, steps = read_step_trace(trace)
+    samples = [StepSample(comp, seconds, region_of(comp)) for comp, seconds in steps[WARMUP_STEPS:]]
     if len(samples) < 10:
         raise RuntimeError(f"the serving profile recorded only {len(samples)} steps")
-    metadata.update(source="tokenweir serve step trace under bench-serve load",
-                    load_phases=[list(p) for p in (QUICK_PHASES if quick else PHASES)],
-                    profile_seconds=round(time.perf_counter() - start, 1))
+    # Copies between device and host blocks, timed here on the server's device (bytes are bytes:
+    # a block of the server's size in uint8).
+    device = torch.device(engine["device"])
+    blocks = torch.zeros((2, 128, engine["kv_bytes_per_block"] // 2), dtype=torch.uint8, device=device)
+    metadata = {**engine, "serving_threads": True, "measured_at": utc_now(),
+                "source": "tokenweir serve step trace under bench-serve load",
+                "load_phases": [list(p) for p in (QUICK_PHASES if quick else PHASES)],
+                "profile_seconds": round(time.perf_counter() - start, 1)}
     # The server leaves a core to the serving path in steps of up to this many tokens.
-    return fit_profile(samples, bandwidth, metadata, SMALL_STEP_MAX_TOKENS)
+    return fit_profile(samples, measure_copy_bandwidth([blocks]), metadata, SMALL_STEP_MAX_TOKENS)

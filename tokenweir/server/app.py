@@ -96,6 +96,8 @@ def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
     api_keys = load_api_keys(ns.api_keys_file) if ns.api_keys_file is not None else None  # before the load
     step_trace = StepTrace(ns.step_trace) if ns.step_trace else None
     engine = AsyncLLMEngine.from_engine_args(engine_args, step_trace)
+    if step_trace is not None:
+        step_trace.write_header(engine.core.describe())
     try:
         app = build_app(engine, api_key=ns.api_key, max_waiting_requests=ns.max_waiting_requests,
                         max_request_body_bytes=ns.max_request_body_bytes,
