@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from tests.core.helpers import assert_no_leaks
+from tests.hf_reference import hf_greedy
 from tokenweir import LLM, SamplingParams
 from tokenweir.core.scheduler import SchedulerOutput
 from tokenweir.engine.core import EngineCore
@@ -93,3 +94,9 @@ def greedy_under_scenario(llm: LLM, prompts: list[list[int]], num_new: int, scen
     if scenario == "chunked":
         assert stats.num_preemptions == 0 and num_continued_prefill_chunks(schedules) > 0
     return [o.outputs[0].token_ids for o in outs]
+
+
+def greedy_oracle(model_dir: str, prompts: dict[str, list[int]], num_new: int) -> dict[str, list[int]]:
+    """transformers' greedy continuation of each named prompt (the correctness oracle)."""
+    ids = list(prompts)
+    return dict(zip(ids, hf_greedy(model_dir, [prompts[i] for i in ids], num_new, pad_token_id=0)))

@@ -10,7 +10,7 @@ from typing import Callable, Optional
 
 import pytest
 
-from tests.engine.helpers import FailsOnce, assert_engine_released
+from tests.engine.helpers import FailsOnce, assert_engine_released, greedy_oracle
 from tests.hf_reference import hf_greedy
 from tokenweir import SamplingParams
 from tokenweir.core.scheduler import SchedulerOutput
@@ -24,8 +24,7 @@ FAIL_AT_STEP = 3  # a and b decode; c and d wait (two sequences at a time)
 
 @pytest.fixture(scope="module")
 def oracle(tiny_model_dir) -> dict[str, list[int]]:
-    ids = list(PROMPTS)
-    return dict(zip(ids, hf_greedy(tiny_model_dir("llama"), [PROMPTS[i] for i in ids], NUM_NEW, pad_token_id=0)))
+    return greedy_oracle(tiny_model_dir("llama"), PROMPTS, NUM_NEW)
 
 
 @pytest.fixture

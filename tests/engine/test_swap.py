@@ -9,8 +9,7 @@ import logging
 
 import pytest
 
-from tests.engine.helpers import assert_engine_released
-from tests.hf_reference import hf_greedy
+from tests.engine.helpers import assert_engine_released, greedy_oracle
 from tokenweir import SamplingParams
 from tokenweir.config import EngineArgs
 from tokenweir.core.cost_model import load_cost_model
@@ -27,8 +26,7 @@ PROMPTS = {f"r{i}": [3 + (7 * i + j) % 90 for j in range(20 + i)] for i in range
 
 @pytest.fixture(scope="module")
 def oracle(tiny_model_dir) -> dict[str, list[int]]:
-    ids = list(PROMPTS)
-    return dict(zip(ids, hf_greedy(tiny_model_dir("llama"), [PROMPTS[i] for i in ids], NUM_NEW, pad_token_id=0)))
+    return greedy_oracle(tiny_model_dir("llama"), PROMPTS, NUM_NEW)
 
 
 @pytest.fixture
