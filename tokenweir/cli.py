@@ -183,9 +183,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=_serve)
 
     prof = sub.add_parser("profile", help="measure this device's step times and fit the simulator's cost model")
-    from tokenweir.profiling import profile as profile_cmd
+    from tokenweir.profiling.args import add_cli_args as add_profile_args
 
-    profile_cmd.add_cli_args(prof)
+    add_profile_args(prof)
     add_engine_args(prof)
     prof.set_defaults(func=_profile)
 

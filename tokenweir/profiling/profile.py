@@ -15,24 +15,12 @@ import json
 import sys
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
 
 from tokenweir.config import EngineArgs
 from tokenweir.profiling.fit import fit_cost_model, fit_errors, format_errors
 from tokenweir.profiling.measure import ProfileGrid, StepSample, StepTimer, measure_copy_bandwidth, run_grid
-
-
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", type=Path, required=True, help="where to write the profile JSON")
-    parser.add_argument("--grid", choices=("full", "quick"), default="full",
-                        help="quick: a small grid for a first look (a less exact fit)")
-    parser.add_argument("--serving-threads", action=argparse.BooleanOptionalAction, default=True,
-                        help="run steps with `tokenweir serve`'s thread choice (default on)")
-    parser.add_argument("--serving", action="store_true",
-                        help="profile `tokenweir serve` itself: start it with --step-trace, load it "
-                             "with streaming clients, and fit to the engine loop's real step times")
 
 
 def fitting_grid(grid: ProfileGrid, pool_tokens: int) -> ProfileGrid:
