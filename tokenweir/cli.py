@@ -147,15 +147,16 @@ def _add_simulate_parser(sub: Any) -> None:
         "search", help="the highest request rate each engine configuration sustains under SLOs")
     add_engine_args(search, sweep=True, skip=SIM_SKIPPED_ENGINE_ARGS)
     bench_serve.add_workload_args(search)
-    bench_serve.add_result_args(search)
-    add_sim_args(search)
+    bench_serve.add_result_args(search, table=False)
+    add_sim_args(search, search=True)
     search.add_argument("--attainment", type=float, default=0.9,
                         help="fraction of requests that must meet every --goodput SLO")
     search.add_argument("--slo-percentiles", nargs="+", default=None, metavar="METRIC:pNN:MS",
                         help="instead of --goodput: latency percentiles that must stay within "
                              "bounds, e.g. ttft:p90:2000 tpot:p99:100")
     search.add_argument("--start-rate", type=float, default=None,
-                        help="first rate tried (default: --rate-scale for the trace, else 1 req/s)")
+                        help="first rate tried (default: --rate-scale for the trace, else "
+                             "--request-rate, or 1 req/s if that is inf)")
     search.add_argument("--search-iterations", type=int, default=6,
                         help="bisection steps after the doubling phase")
 
@@ -203,10 +204,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> Any:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
+    if getattr(ns, "simulate_command", None) == "search" and argv[argv.index("simulate") + 1] != "search":
+        # argparse would silently reset flags given before the subcommand to its defaults.
+        parser.error("give `search` right after `simulate`, before any flag")
     try:
         return ns.func(ns)
-    except (ValueError, FileNotFoundError) as exc:  # a bad setting, input or path: say what, no traceback
+    except (ValueError, OSError) as exc:  # a bad setting, input or path: say what, no traceback
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
 
 

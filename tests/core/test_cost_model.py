@@ -87,7 +87,7 @@ def test_json_round_trip_and_bad_profiles(tmp_path) -> None:
     with pytest.raises(ValueError, match=r"missing \['tokens'\]"):
         load_cost_model(path)
     for field, value, match in (("tokens", -1.0, "finite number >= 0"), ("tokens", "x", "finite number"),
-                                ("tokens", float("nan"), "finite")):
+                                ("tokens", float("nan"), "finite"), ("tokens", True, "finite number")):
         bad = model.to_dict()
         bad["coefficients"][field] = value
         with pytest.raises(ValueError, match=match):

@@ -80,7 +80,13 @@ def test_bad_profile_and_bad_flags_are_one_line_errors(tmp_path, capsys) -> None
     for argv, match in ((["simulate", "--max-num-seqs", "many"], "invalid int value"),
                         (["simulate", "search", "--max-num-seqs", "1,x"], "comma-separated int"),
                         (["simulate", "--num-prompts", "0"], "--num-prompts must be >= 1"),
-                        (["simulate", "search", "--request-rate", "1"], "needs SLOs")):
+                        (["simulate", "search", "--request-rate", "1"], "needs SLOs"),
+                        (["simulate", "--num-prompts", "5", "search", "--goodput", "ttft:100"],
+                         "give `search` right after `simulate`"),
+                        (["simulate", "search", "--plot-dir", "x", "--goodput", "ttft:100"],
+                         "unrecognized arguments: --plot-dir"),
+                        (["profile", "--serving", "--no-serving-threads", "--output", "x.json"],
+                         "--no-serving-threads applies to the engine grid only")):
         with pytest.raises(SystemExit):
             main(argv)
         assert match in capsys.readouterr().err

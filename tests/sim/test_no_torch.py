@@ -22,8 +22,8 @@ main(sys.argv[1:])
 
 def test_simulate_and_search_import_no_torch(tmp_path) -> None:
     workload = ["--dataset-name", "random", "--num-prompts", "20", "--request-rate", "2",
-                "--random-input-len", "100", "--random-output-len", "20", "--disable-tqdm"]
-    for argv in (["simulate", *workload], ["simulate", "search", *workload, "--goodput", "ttft:2000",
+                "--random-input-len", "100", "--random-output-len", "20"]
+    for argv in (["simulate", *workload, "--disable-tqdm"], ["simulate", "search", *workload, "--goodput", "ttft:2000",
                                            "--search-iterations", "1"]):
         done = subprocess.run([sys.executable, "-c", BLOCK_TORCH, *argv], capture_output=True, text=True,
                               cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})

@@ -127,7 +127,50 @@ def test_bad_arguments() -> None:
         sim.run([req("a", 4, 1, 0.0), req("a", 4, 1, 0.0)])
     with pytest.raises(ValueError, match="max_concurrency"):
         make_sim().run([req("a", 4, 1, 0.0)], max_concurrency=0)
-    model = cost_model(step=0.1)
-    model.metadata.pop("kv_cache_bytes")
-    with pytest.raises(ValueError, match="lacks the model's max_model_len"):
-        Simulator.from_engine_args(EngineArgs(), model)
+    for key, value in (("kv_cache_bytes", None), ("block_size", 0), ("kv_bytes_per_block", "x")):
+        model = cost_model(step=0.1)
+        if value is None:
+            model.metadata.pop(key)
+        else:
+            model.metadata[key] = value
+        with pytest.raises(ValueError, match="lacks the model's max_model_len"):
+            Simulator.from_engine_args(EngineArgs(), model)
+
+
+def test_a_request_arriving_while_every_client_slot_is_busy_waits_for_the_slot() -> None:
+    # One slot, steps of 1 s: b arrives at 0.5 while a holds the slot until 1.0, so bench serve
+    # would send b at 1.0; its TTFT counts from then (1 s), not from its arrival (1.5 s).
+    sim = make_sim(cost_model(step=1.0))
+    a, b = sim.run([req("a", 4, 1, 0.0), req("b", 4, 1, 0.5)], max_concurrency=1).records
+    assert a.ttft == pytest.approx(1.0) and b.ttft == pytest.approx(1.0)
+
+
+def test_duration_runs_from_time_zero_to_the_last_request_to_end() -> None:
+    # As bench serve measures it: from its start, not from the first arrival, and a request
+    # that fails last still ends the benchmark.
+    sim = make_sim(cost_model(step=1.0), max_model_len=64)
+    result = sim.run([req("a", 4, 1, 2.0), req("rejected", 100, 1, 5.0)])
+    assert result.duration_s == pytest.approx(5.0)
+    assert [r.success for r in result.records] == [True, False]
+
+
+def test_many_requests_rejected_behind_a_client_limit_do_not_recurse() -> None:
+    sim = make_sim(max_model_len=64)
+    requests = [req(f"r{i}", 100, 1, 0.0) for i in range(3000)] + [req("ok", 4, 2, 0.0)]
+    result = sim.run(requests, max_concurrency=1)
+    assert sum(r.success for r in result.records) == 1
+    assert_no_leaks(sim.scheduler)
+
+
+def test_requests_a_policy_sheds_end_with_its_reason() -> None:
+    from tokenweir.request import SchedulingHints
+
+    # sla with drop_expired: requests whose deadline passes while they wait are finished by the
+    # scheduler inside schedule(); the simulator must count them as done, failed, with the reason.
+    sim = make_sim(cost_model(step=0.5), scheduling_policy="sla", sla_drop_expired=True,
+                   max_num_seqs=1, max_num_batched_tokens=16)
+    requests = [req(f"r{i}", 4, 4, 0.0, hints=SchedulingHints(deadline=1.0)) for i in range(4)]
+    result = sim.run(requests, max_concurrency=2)
+    shed = [r for r in result.records if not r.success]
+    assert shed and all("deadline" in r.error for r in shed)
+    assert_no_leaks(sim.scheduler)

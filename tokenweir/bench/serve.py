@@ -97,8 +97,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--max-output-len", type=int, default=None, help="trace: cap output lengths")
 
 
-def add_result_args(parser: argparse.ArgumentParser) -> None:
-    """How results are scored and saved: shared by `bench serve` and `simulate`."""
+def add_result_args(parser: argparse.ArgumentParser, table: bool = True) -> None:
+    """How results are scored and saved: shared by `bench serve` and `simulate`. Without
+    `table` (`simulate search`, which prints no result table), only the SLOs and the file."""
     parser.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs a request must all meet to count, e.g. ttft:500 tpot:50; "
                              f"metrics: {', '.join(SLO_NAMES)}")
@@ -106,12 +107,13 @@ def add_result_args(parser: argparse.ArgumentParser) -> None:
                         help="request classes, e.g. interactive:0.3:priority=0:ttft=1000:tpot=150 "
                              "batch:0.7:priority=1:ttft=60000:tpot=2000 (keys: priority, ttft, tpot, "
                              "deadline in ms, tenant); reports SLO attainment and goodput per class")
-    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
-    parser.add_argument("--metric-percentiles", default="50,90,99")
-    parser.add_argument("--save-result", action="store_true")
+    if table:
+        parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+        parser.add_argument("--metric-percentiles", default="50,90,99")
+        parser.add_argument("--save-result", action="store_true")
     parser.add_argument("--result-dir", default=".")
     parser.add_argument("--result-filename", default=None,
-                        help="JSON file name (giving one also turns on --save-result)")
+                        help="JSON file name" + (" (giving one also turns on --save-result)" if table else ""))
 
 
 def parse_goodput(items: list[str] | None) -> dict[str, float]:

@@ -119,7 +119,7 @@ class StepCostModel:
             raise ValueError(f"cost model coefficients must name exactly {sorted(FEATURES)}; "
                              f"missing {sorted(missing)}, unknown {sorted(unknown)}")
         for name, value in self.coefficients.items():
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"cost model coefficient {name!r} must be a finite number >= 0, "
                                  f"got {value!r}")
         bw = self.swap_bytes_per_second

@@ -100,6 +100,11 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> int:
     if ns.serving:
         from tokenweir.profiling.serving import profile_serving
 
+        if not ns.serving_threads:
+            raise ValueError("--serving profiles `tokenweir serve`, which always chooses its threads "
+                             "per step (set OMP_NUM_THREADS to fix them); --no-serving-threads "
+                             "applies to the engine grid only")
+
         data, table = profile_serving(args, quick=ns.grid == "quick")
     else:
         data, table = profile(args, grid, ns.serving_threads)

@@ -26,11 +26,14 @@ from tokenweir.core.cost_model import DEFAULT_PROFILE, StepCostModel, load_cost_
 from tokenweir.sim.simulator import SimRequest, SimResult, Simulator
 
 
-def add_sim_args(parser: argparse.ArgumentParser) -> None:
+def add_sim_args(parser: argparse.ArgumentParser, search: bool = False) -> None:
     group = parser.add_argument_group("simulation")
     group.add_argument("--profile", type=Path, default=None,
                        help=f"step cost profile from `tokenweir profile`; default: the shipped "
                             f"{DEFAULT_PROFILE.name}")
+    if search:  # many runs, scored only: no series, plots or progress bar
+        parser.set_defaults(timeseries_points=1)
+        return
     group.add_argument("--timeseries-points", type=int, default=500,
                        help="the time series are averaged into at most this many points")
     group.add_argument("--plot-dir", type=Path, default=None,

@@ -153,7 +153,10 @@ def search(ns: argparse.Namespace, base: EngineArgs, lists: dict[str, list[Any]]
            progress: Callable[[str], None] = lambda s: None) -> tuple[list[Capacity], StepCostModel]:
     criterion = make_criterion(ns)
     cost_model = load_cost_model(ns.profile)
-    start = ns.start_rate or (ns.rate_scale if ns.dataset_name == "trace" else 1.0)
+    if ns.dataset_name == "trace":
+        start = ns.start_rate or ns.rate_scale
+    else:
+        start = ns.start_rate or (ns.request_rate if math.isfinite(ns.request_rate) else 1.0)
     capacities = []
     for overrides in engine_grid(lists):
         args = dataclasses.replace(base, **overrides)

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -49,7 +50,7 @@ class SimRequest:
 @dataclass
 class SimResult:
     records: list[RequestRecord]  # in the order of the requests given
-    duration_s: float  # first send to last completion, as `bench serve` measures it
+    duration_s: float  # time 0 to the last request's end, as `bench serve` measures it
     num_steps: int
     num_preemptions: int
     timeseries: TimeSeries
@@ -70,6 +71,7 @@ class _Tracking:
     num_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     done: bool = False
+    end_s: float = 0.0  # when it ended, for the client (last token, abort, rejection)
 
 
 def scheduler_configs(args: EngineArgs, model_max_len: int, kv_cache_bytes: int,
@@ -97,13 +99,15 @@ class Simulator:
         """The engine `args` describe, on the device and model the profile was taken on."""
         meta = cost_model.metadata
         try:
-            model_max_len = int(meta["max_model_len"])
-            kv_cache_bytes = int(meta["kv_cache_bytes"])
-            per_token = int(meta["kv_bytes_per_block"]) // int(meta["block_size"])
+            model_max_len, kv_cache_bytes, per_block, block_size = (
+                int(meta[k]) for k in ("max_model_len", "kv_cache_bytes", "kv_bytes_per_block", "block_size"))
+            if min(model_max_len, kv_cache_bytes, per_block, block_size) < 1:
+                raise ValueError
+            per_token = per_block // block_size
         except (KeyError, TypeError, ValueError):
             raise ValueError("the cost profile's metadata lacks the model's max_model_len, "
-                             "kv_cache_bytes, kv_bytes_per_block or block_size; take it with "
-                             "`tokenweir profile`") from None
+                             "kv_cache_bytes, kv_bytes_per_block or block_size (positive integers); "
+                             "take it with `tokenweir profile`") from None
         cache_cfg, sched_cfg = scheduler_configs(args, model_max_len, kv_cache_bytes, per_token)
         # `auto` preemption decides by this very model, so a simulated choice is the engine's.
         return cls(Scheduler(sched_cfg, cache_cfg, cost_model=cost_model), cost_model, per_token * args.block_size,
@@ -132,7 +136,7 @@ class Simulator:
         # (their latency counts from when they are finally sent, as in `bench serve`).
         arrivals = sorted(requests, key=lambda r: r.arrival_s)
         next_arrival = 0
-        held: list[SimRequest] = []  # arrived, waiting for a client slot
+        held: deque[SimRequest] = deque()  # arrived, waiting for a client slot
         in_flight = 0
         aborts: list[tuple[float, int, str]] = []  # (time, tie-break, request id), a heap
         tie = itertools.count()
@@ -152,48 +156,65 @@ class Simulator:
                                     arrival_time=at, eos_token_id=None, hints=hints)
             sched.add_request(track.request)
             if track.request.is_finished:  # rejected on arrival (a prompt that can never fit)
-                finish(sim.request_id)
+                finish(sim.request_id, at)
             elif sim.abort_after_s is not None:
                 heapq.heappush(aborts, (at + sim.abort_after_s, next(tie), sim.request_id))
 
-        def finish(rid: str) -> None:
+        def slot_free() -> bool:
+            return max_concurrency is None or in_flight < max_concurrency
+
+        def finish(rid: str, at: float) -> None:
             nonlocal in_flight, num_done
-            tracks[rid].done = True
+            track = tracks[rid]
+            if track.sim.abort_after_s is not None:  # a client that gave up ended then
+                at = min(at, track.sent_s + track.sim.abort_after_s)
+            track.done, track.end_s = True, at
             in_flight -= 1
             num_done += 1
-            # A freed client slot sends the next held request at once.
-            while held and (max_concurrency is None or in_flight < max_concurrency):
-                send(held.pop(0), self.now)
 
-        def collect_finished() -> None:
-            """Every way an admitted request ends (its length, an abort, a policy that sheds
-            it) passes through the scheduler's finished ids."""
-            for rid in sorted(sched.take_finished_req_ids()):  # sorted: a set's order is not stable
-                finish(rid)
-
-        while num_done < len(requests):
-            # Everything that happened by `now`: sends and client aborts, in time order.
+        def send_arrived() -> None:
+            """Requests that arrived by `now`, in order: sent at their arrival if a client slot
+            was free then, else held. Called before the slots a step freed are released, so a
+            request that arrived while every slot was busy waits for the step's end."""
+            nonlocal next_arrival
             while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= self.now:
                 sim = arrivals[next_arrival]
                 next_arrival += 1
-                if max_concurrency is not None and in_flight >= max_concurrency:
+                if held or not slot_free():
                     held.append(sim)
                 else:
                     send(sim, sim.arrival_s)
+
+        def collect_finished(extra: Iterable[str] = ()) -> None:
+            """Every way an admitted request ends (its length, an abort, a policy that sheds
+            it) passes through the scheduler's finished ids: those `schedule()` reported in
+            its output (`extra`) and those finished since. Freed client slots then send held
+            requests at once."""
+            for rid in sorted({*extra, *sched.take_finished_req_ids()}):  # a set's order is not stable
+                if not tracks[rid].done:
+                    finish(rid, self.now)
+            while held and slot_free():
+                send(held.popleft(), self.now)
+
+        while num_done < len(requests):
+            # Everything that happened by `now`: sends and client aborts, in time order.
+            send_arrived()
             while aborts and aborts[0][0] <= self.now:
                 _, _, rid = heapq.heappop(aborts)
                 sched.abort_requests([rid], now=self.now)  # ignored if it has just finished
             collect_finished()
             if not sched.has_unfinished_requests():
-                # Idle until the next event.
+                # Idle until the next event (nothing is held: with nothing in flight, every
+                # slot is free).
                 upcoming = [t for t in (arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) else None,
                                         aborts[0][0] if aborts else None) if t is not None]
                 if not upcoming:
                     break
                 self.now = max(self.now, min(upcoming))
                 continue
-            self._step(tracks)
-            collect_finished()
+            reported = self._step(tracks)
+            send_arrived()
+            collect_finished(reported)
             if self.num_steps % PROGRESS_EVERY_STEPS == 0:
                 progress(num_done)
         progress(num_done)
@@ -201,21 +222,24 @@ class Simulator:
             raise RuntimeError(f"simulation stopped with {len(requests) - num_done} requests unfinished")
 
         records = [self._record(tracks[r.request_id]) for r in requests]
-        start = min((r.arrival_s for r in requests), default=0.0)
-        end = max((t.last_token_s for t in tracks.values() if t.num_tokens), default=start)
-        return SimResult(records, max(end - start, 1e-9), self.num_steps,
+        # As `bench serve` measures it: from the start (time 0) until the last request ends.
+        end = max((t.end_s for t in tracks.values()), default=0.0)
+        return SimResult(records, max(end, 1e-9), self.num_steps,
                          sched.get_stats().num_preemptions, self.timeseries)
 
-    def _step(self, tracks: dict[str, _Tracking]) -> None:
+    def _step(self, tracks: dict[str, _Tracking]) -> set[str]:
+        """One engine step; returns the finished ids `schedule()` reported."""
         sched = self.scheduler
         out = sched.schedule(now=self.now)
         if self.on_step is not None:
             self.on_step(out, self.now)
         comp = step_composition(out, sched.requests, self.kv_bytes_per_block)
         if comp.num_tokens == 0:
+            sched.update_from_output(out, {}, self.now)  # settle the empty step
+            if not sched.has_unfinished_requests():
+                return out.finished_req_ids  # the policy shed everything that was left
             # Requests are unfinished but none can run (a prompt that needs more blocks than the
             # pool can ever free, say): the real engine would spin here for good.
-            sched.update_from_output(out, {}, self.now)  # settle the empty step
             raise RuntimeError(f"simulated engine stalled at t={self.now:.3f}s: "
                                f"{len(sched.waiting)} waiting, {len(sched.running)} running, nothing schedulable")
         sampled = {}
@@ -240,6 +264,7 @@ class Simulator:
         stats = sched.get_stats()
         self.timeseries.add(self.now, stats.num_waiting, stats.num_running, stats.num_swapped,
                             stats.kv_cache_usage, stats.num_preemptions, comp.num_tokens)
+        return out.finished_req_ids
 
     @staticmethod
     def _record(track: _Tracking) -> RequestRecord:
