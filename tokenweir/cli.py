@@ -114,9 +114,11 @@ def _profile(ns: argparse.Namespace) -> int:
     return profile.main(ns, engine_args_from(ns))
 
 
-# In `simulate`, --seed is the workload's seed (as in `bench serve`); the engine's seed would
-# change nothing there, since simulated tokens are not sampled from a model.
-SIM_SKIPPED_ENGINE_ARGS = frozenset({"seed"})
+# Engine flags `simulate` does not take: --seed is the workload's seed there (as in `bench
+# serve`; simulated tokens are not sampled from a model), and the model, its dtype and device
+# and the GPU memory share are the profile's (take a profile of another model to simulate it).
+SIM_SKIPPED_ENGINE_ARGS = frozenset({"seed", "model", "served_model_name", "dtype", "device",
+                                     "gpu_memory_utilization"})
 
 
 def _simulate(ns: argparse.Namespace) -> int:
@@ -132,6 +134,21 @@ def _simulate(ns: argparse.Namespace) -> int:
     return 0
 
 
+class _ProfileDecides(argparse.Action):
+    """An engine flag whose value the cost profile fixes in `simulate`: refused, with why."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: Optional[str] = None) -> None:
+        parser.error(f"{option_string}: the simulated engine's model, dtype, device and GPU memory share are the "
+                     "cost profile's; take a profile of what you want to simulate (tokenweir profile "
+                     f"{option_string} ...) and pass it with --profile")
+
+
+def _refuse_profile_flags(parser: argparse.ArgumentParser) -> None:
+    for name in sorted(SIM_SKIPPED_ENGINE_ARGS - {"seed"}):
+        parser.add_argument("--" + name.replace("_", "-"), action=_ProfileDecides, help=argparse.SUPPRESS)
+
+
 def _add_simulate_parser(sub: Any) -> None:
     from tokenweir.bench import serve as bench_serve
     from tokenweir.sim.run import add_sim_args
@@ -139,6 +156,7 @@ def _add_simulate_parser(sub: Any) -> None:
     sim = sub.add_parser("simulate", help="replay a bench-serve workload through a simulated engine "
                                           "(the real scheduler, step times from a cost profile)")
     add_engine_args(sim, skip=SIM_SKIPPED_ENGINE_ARGS)
+    _refuse_profile_flags(sim)
     bench_serve.add_workload_args(sim)
     bench_serve.add_result_args(sim)
     add_sim_args(sim)
@@ -146,6 +164,7 @@ def _add_simulate_parser(sub: Any) -> None:
     search = sim.add_subparsers(dest="simulate_command").add_parser(
         "search", help="the highest request rate each engine configuration sustains under SLOs")
     add_engine_args(search, sweep=True, skip=SIM_SKIPPED_ENGINE_ARGS)
+    _refuse_profile_flags(search)
     bench_serve.add_workload_args(search)
     bench_serve.add_result_args(search, table=False)
     add_sim_args(search, search=True)

@@ -85,6 +85,8 @@ def test_bad_profile_and_bad_flags_are_one_line_errors(tmp_path, capsys) -> None
                          "give `search` right after `simulate`"),
                         (["simulate", "search", "--plot-dir", "x", "--goodput", "ttft:100"],
                          "unrecognized arguments: --plot-dir"),
+                        (["simulate", "--model", "x"], "are the cost profile's"),
+                        (["simulate", "search", "--dtype", "fp32"], "are the cost profile's"),
                         (["profile", "--serving", "--no-serving-threads", "--output", "x.json"],
                          "--no-serving-threads applies to the engine grid only")):
         with pytest.raises(SystemExit):
