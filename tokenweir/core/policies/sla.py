@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
-from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest
+from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest, served_rows
 from tokenweir.core.policies.fair_share import VirtualTokenCounters
 from tokenweir.core.policies.sla_queue import SLAQueue
 from tokenweir.core.policies.sla_score import (FAIRNESS_SHORTFALL, SLAConfig, ScoreParts, due_time,
@@ -259,10 +259,10 @@ class SLAPolicy(SchedulingPolicy):
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         n = self.config.num_priority_classes
         served_tokens = self._served
-        for s in served:
-            priority = s.request.hints.priority
+        for request, num_computed, num_recomputed, _ in served_rows(served):
+            priority = request.hints.priority
             cls = 0 if priority <= 0 else (priority if priority < n else n - 1)
-            served_tokens[cls] += s.num_computed_tokens - s.num_recomputed_tokens
+            served_tokens[cls] += num_computed - num_recomputed
         if self.counters is not None:
             self.counters.charge(served)
 
