@@ -201,7 +201,7 @@ class SLAPolicy(SchedulingPolicy):
         waiting request that is not aged may preempt (neither protected nor aged; with none,
         an infinite bound)."""
         cfg = self.config
-        scale, fairness, static_of = cfg.urgency_weight * self.load_adjustment, self.fairness, self._static
+        scale, fairness, statics = cfg.urgency_weight * self.load_adjustment, self.fairness, self._statics
         k = cfg.max_preemptions
         lowest, victim = math.inf, running[0]
         now = self._now
@@ -209,7 +209,10 @@ class SLAPolicy(SchedulingPolicy):
         for r in running:
             if r.num_preemptions >= k or r.arrival_time <= horizon:
                 continue  # may_preempt refuses these
-            _, key, cls, floor = static_of(r)
+            static = statics.get(r.request_id)  # self._static(r), its hit inlined: once per running request
+            if static is None or static[0] is not r:
+                static = self._static(r)
+            _, key, cls, floor = static
             bound = key + fairness[cls]
             if floor and r.first_token_time is not None:
                 h = r.hints
