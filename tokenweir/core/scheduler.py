@@ -72,6 +72,8 @@ class RequestUpdate:
     """What one step changed for a request: the tokens it gained (status is on the request)."""
 
     request: Request
+    # Read-only: the caller's sampled list itself when all of it was taken (most steps), as a
+    # copy per request per step is garbage that drives the collector into full passes.
     new_token_ids: list[int]
 
 
@@ -529,25 +531,26 @@ class Scheduler:
                 else:
                     num_recomputed = num_tokens
                 self.kv_cache_manager.cache_blocks(request)
-                new_token_ids: list[int] = []
+                num_output = 0
                 if end == request.num_tokens:
                     sampled = sampled_token_ids.get(request_id)
                     if not sampled:
                         raise RuntimeError(f"request {request_id!r} finished its prefill but no token was sampled")
                     for token_id in sampled:
                         request.append_output_token(token_id, now)
-                        new_token_ids.append(token_id)
+                        num_output += 1
                         status = self._check_stop(request, token_id)
                         if status is not None:
                             self._finish(request, status, now)
                             any_finished = True
                             break
-                    updates.append(RequestUpdate(request, new_token_ids))
+                    updates.append(RequestUpdate(
+                        request, sampled if num_output == len(sampled) else sampled[:num_output]))
                 if feedback:
                     served.requests.append(request)
                     served.num_computed_tokens.append(num_tokens)
                     served.num_recomputed_tokens.append(num_recomputed)
-                    served.num_output_tokens.append(len(new_token_ids))
+                    served.num_output_tokens.append(num_output)
         finally:
             if any_finished:
                 self.running = [r for r in self.running if not r.is_finished]
