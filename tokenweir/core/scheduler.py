@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_control import BatchController, StaticBatchController, StepLimits
 from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
 from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks, KVCacheManager, PrefixCacheStats, SwapPairs
-from tokenweir.core.policies import SchedulingPolicy, ServedRequest, create_policy
+from tokenweir.core.policies import SchedulingPolicy, StepServed, create_policy
 from tokenweir.core.preemption import PREEMPTION_KINDS, PreemptionChooser
 from tokenweir.request import Request, RequestStatus, SamplingParams
 
@@ -45,7 +45,9 @@ class CachedRequestData:
     """A request the runner already holds; only its newly allocated blocks are sent."""
 
     request_id: str
-    new_block_ids: list[int]
+    # () when the step allocated none (most decode steps): one shared immutable empty value, as
+    # a fresh list per request per step would be garbage the collector keeps sweeping.
+    new_block_ids: Sequence[int]
     num_computed_tokens: int
 
 
@@ -70,6 +72,8 @@ class RequestUpdate:
     """What one step changed for a request: the tokens it gained (status is on the request)."""
 
     request: Request
+    # Read-only: the caller's sampled list itself when all of it was taken (most steps), as a
+    # copy per request per step is garbage that drives the collector into full passes.
     new_token_ids: list[int]
 
 
@@ -138,8 +142,8 @@ class Scheduler:
         self.preemption = PreemptionChooser(cache_config.preemption_mode, self.kv_cache_manager,
                                             cost_model, cache_config.kv_block_bytes)
         self.policy = policy or create_policy(scheduler_config.policy, scheduler_config.policy_config)
-        # A record per scheduled request per step is a noticeable share of a decode step's cost:
-        # build them only for a policy that reads them.
+        # The feedback columns are a noticeable share of a decode step's cost: fill them only
+        # for a policy that reads them.
         self._policy_wants_feedback = type(self.policy).on_step_served is not SchedulingPolicy.on_step_served
         # Likewise the search for victims on admission, for a policy that never lets a waiting
         # request preempt (fcfs, vtc): it would be refused victim after victim.
@@ -469,7 +473,7 @@ class Scheduler:
                     sampling_params=request.sampling_params))
             else:
                 cached_reqs.append(CachedRequestData(
-                    rid, step.new_block_ids.get(rid, []), request.num_computed_tokens))
+                    rid, step.new_block_ids.get(rid, ()), request.num_computed_tokens))
         # Checked for real (not an assert, which `python -O` drops): a runner handed more than
         # the budget may run out of activation memory.
         # A step's lower sequence cap only holds back admissions, so the configured one bounds
@@ -511,7 +515,8 @@ class Scheduler:
         """
         in_flight = self._take_in_flight(scheduler_output)
         updates: list[RequestUpdate] = []
-        served: list[ServedRequest] = []
+        feedback = self._policy_wants_feedback
+        served = StepServed([], [], [], [])
         any_finished = False
         try:
             for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
@@ -526,27 +531,31 @@ class Scheduler:
                 else:
                     num_recomputed = num_tokens
                 self.kv_cache_manager.cache_blocks(request)
-                new_token_ids: list[int] = []
+                num_output = 0
                 if end == request.num_tokens:
                     sampled = sampled_token_ids.get(request_id)
                     if not sampled:
                         raise RuntimeError(f"request {request_id!r} finished its prefill but no token was sampled")
                     for token_id in sampled:
                         request.append_output_token(token_id, now)
-                        new_token_ids.append(token_id)
+                        num_output += 1
                         status = self._check_stop(request, token_id)
                         if status is not None:
                             self._finish(request, status, now)
                             any_finished = True
                             break
-                    updates.append(RequestUpdate(request, new_token_ids))
-                if self._policy_wants_feedback:
-                    served.append(ServedRequest(request, num_tokens, num_recomputed, len(new_token_ids)))
+                    updates.append(RequestUpdate(
+                        request, sampled if num_output == len(sampled) else sampled[:num_output]))
+                if feedback:
+                    served.requests.append(request)
+                    served.num_computed_tokens.append(num_tokens)
+                    served.num_recomputed_tokens.append(num_recomputed)
+                    served.num_output_tokens.append(num_output)
         finally:
             if any_finished:
                 self.running = [r for r in self.running if not r.is_finished]
         self._in_flight = None
-        if self._policy_wants_feedback:
+        if feedback:
             self.policy.on_step_served(served, now)
         return updates
 

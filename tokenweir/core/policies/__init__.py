@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from tokenweir.core.policies.base import PolicyConfig, SchedulingPolicy, ServedRequest
+from tokenweir.core.policies.base import PolicyConfig, SchedulingPolicy, ServedRequest, StepServed, served_rows
 from tokenweir.core.policies.fcfs import FCFSPolicy
 from tokenweir.core.policies.fair_share import VTCConfig, parse_tenant_weights
 from tokenweir.core.policies.priority import PriorityPolicy, priority_key
@@ -26,5 +26,5 @@ def create_policy(name: str, config: Optional[PolicyConfig] = None) -> Schedulin
 
 
 __all__ = ["POLICIES", "FCFSPolicy", "PolicyConfig", "PriorityPolicy", "SLAConfig", "SLAPolicy", "SchedulingPolicy",
-           "ScoreParts", "ServedRequest", "VTCConfig", "VTCPolicy", "create_policy", "parse_tenant_weights",
-           "priority_class", "priority_key"]
+           "ScoreParts", "ServedRequest", "StepServed", "VTCConfig", "VTCPolicy", "create_policy", "parse_tenant_weights",
+           "priority_class", "priority_key", "served_rows"]

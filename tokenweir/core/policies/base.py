@@ -10,7 +10,7 @@ simulator and the engine make the same decisions.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -31,6 +31,42 @@ class ServedRequest:
     num_computed_tokens: int  # prompt or output tokens whose K/V this step computed
     num_recomputed_tokens: int  # of those, tokens computed before and lost to a preemption
     num_output_tokens: int  # tokens sampled for it this step
+
+
+ServedRow = tuple[Request, int, int, int]  # the fields of a ServedRequest, in order
+
+
+@dataclass(slots=True)
+class StepServed(Sequence[ServedRequest]):
+    """What the scheduler hands `on_step_served`: the ServedRequest fields of one step, a column
+    each. A record object per scheduled request per step, most of them alive at once, costs
+    more than the policies' use of it (and pushes the garbage collector into full passes over
+    the waiting queue); the built-in policies read the rows, records are built on access."""
+
+    requests: list[Request]
+    num_computed_tokens: list[int]
+    num_recomputed_tokens: list[int]
+    num_output_tokens: list[int]
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def __getitem__(self, index: int) -> ServedRequest:  # type: ignore[override]
+        return ServedRequest(self.requests[index], self.num_computed_tokens[index],
+                             self.num_recomputed_tokens[index], self.num_output_tokens[index])
+
+    def __iter__(self) -> Iterator[ServedRequest]:
+        return (ServedRequest(*row) for row in self.rows())
+
+    def rows(self) -> Iterator[ServedRow]:
+        return zip(self.requests, self.num_computed_tokens, self.num_recomputed_tokens, self.num_output_tokens)
+
+
+def served_rows(served: Sequence[ServedRequest]) -> Iterable[ServedRow]:
+    """The rows of a step's feedback, whether the scheduler's columns or a list of records."""
+    if isinstance(served, StepServed):
+        return served.rows()
+    return ((s.request, s.num_computed_tokens, s.num_recomputed_tokens, s.num_output_tokens) for s in served)
 
 
 class SchedulingPolicy(ABC):
@@ -65,7 +101,8 @@ class SchedulingPolicy(ABC):
         """Called once per step before anything is scheduled: re-score what depends on time."""
 
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
-        """Called once per step after its results are applied, with every scheduled request."""
+        """Called once per step after its results are applied, with every scheduled request
+        (from the scheduler, a StepServed: read it with `served_rows`)."""
 
     def take_expired(self, now: float) -> Sequence[tuple[Request, str]]:
         """Called once per step before anything is scheduled: requests (waiting or running) the

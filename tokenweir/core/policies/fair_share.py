@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from tokenweir.checks import is_finite_number
-from tokenweir.core.policies.base import PolicyConfig, ServedRequest
+from tokenweir.core.policies.base import PolicyConfig, ServedRequest, served_rows
 
 Tenant = Optional[str]  # None: requests that name no tenant share one counter
 
@@ -137,12 +137,11 @@ class VirtualTokenCounters:
         cfg = self.config
         w_in, w_out = cfg.input_weight, cfg.output_weight
         growth: dict[Tenant, float] = {}
-        for s in served:
-            request = s.request
-            tokens = w_out * s.num_output_tokens
-            # fresh_prompt_tokens(s), inlined: this loop runs for every request of every step.
+        for request, num_computed, num_recomputed, num_output in served_rows(served):
+            tokens = w_out * num_output
+            # fresh_prompt_tokens(), inlined: this loop runs for every request of every step.
             num_prompt, end = len(request.prompt_token_ids), request.num_computed_tokens
-            fresh_start = end - s.num_computed_tokens + s.num_recomputed_tokens
+            fresh_start = end - num_computed + num_recomputed
             if fresh_start < num_prompt:
                 tokens += w_in * max(0, min(end, num_prompt) - fresh_start)
             if tokens:

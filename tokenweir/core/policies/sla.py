@@ -22,7 +22,7 @@ import math
 from collections.abc import Sequence
 from typing import Optional
 
-from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest
+from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest, served_rows
 from tokenweir.core.policies.fair_share import VirtualTokenCounters
 from tokenweir.core.policies.sla_queue import SLAQueue
 from tokenweir.core.policies.sla_score import (FAIRNESS_SHORTFALL, SLAConfig, ScoreParts, due_time,
@@ -201,7 +201,7 @@ class SLAPolicy(SchedulingPolicy):
         waiting request that is not aged may preempt (neither protected nor aged; with none,
         an infinite bound)."""
         cfg = self.config
-        scale, fairness, static_of = cfg.urgency_weight * self.load_adjustment, self.fairness, self._static
+        scale, fairness, statics = cfg.urgency_weight * self.load_adjustment, self.fairness, self._statics
         k = cfg.max_preemptions
         lowest, victim = math.inf, running[0]
         now = self._now
@@ -209,7 +209,10 @@ class SLAPolicy(SchedulingPolicy):
         for r in running:
             if r.num_preemptions >= k or r.arrival_time <= horizon:
                 continue  # may_preempt refuses these
-            _, key, cls, floor = static_of(r)
+            static = statics.get(r.request_id)  # self._static(r), its hit inlined: once per running request
+            if static is None or static[0] is not r:
+                static = self._static(r)
+            _, key, cls, floor = static
             bound = key + fairness[cls]
             if floor and r.first_token_time is not None:
                 h = r.hints
@@ -259,10 +262,10 @@ class SLAPolicy(SchedulingPolicy):
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         n = self.config.num_priority_classes
         served_tokens = self._served
-        for s in served:
-            priority = s.request.hints.priority
+        for request, num_computed, num_recomputed, _ in served_rows(served):
+            priority = request.hints.priority
             cls = 0 if priority <= 0 else (priority if priority < n else n - 1)
-            served_tokens[cls] += s.num_computed_tokens - s.num_recomputed_tokens
+            served_tokens[cls] += num_computed - num_recomputed
         if self.counters is not None:
             self.counters.charge(served)
 

@@ -100,20 +100,20 @@ class _ScoredHeaps:
                     break
                 p_item = self._pop_alive(self.pending, taken[1]) if scale else None
                 l_item = self._pop_alive(self.late, taken[2]) if scale else None
+                # Nothing unseen has a larger key; an unseen pending entry is due no sooner
+                # than the last pending one seen, an unseen late one no later than the last
+                # late one seen: its urgency is at most theirs (their due times are their
+                # heap keys, so their urgencies are computed once, here).
+                bound = 0.0
                 for item in (k_item, p_item, l_item):
                     if item is not None:
                         e = item[2]
-                        s = e.key + scale * urgency(now, e.due, window)
+                        u = urgency(now, e.due, window)
+                        s = e.key + scale * u
                         if s > best_score or (s == best_score and e.seq < best_entry.seq):
                             best_score, best_entry = s, e
-                # Nothing unseen has a larger key; an unseen pending entry is due no sooner
-                # than the last pending one seen, an unseen late one no later than the last
-                # late one seen: its urgency is at most theirs.
-                bound = 0.0
-                if p_item is not None:
-                    bound = urgency(now, p_item[0], window)
-                if l_item is not None:
-                    bound = max(bound, urgency(now, -l_item[0], window))
+                        if item is not k_item and u > bound:
+                            bound = u
                 if best_score >= -k_item[0] + scale * bound:
                     break
         finally:
