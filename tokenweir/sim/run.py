@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from tokenweir.bench import serve as bench
-from tokenweir.bench.serve_metrics import compute_metrics, metrics_to_dict
+from tokenweir.bench.serve_metrics import BenchmarkMetrics, compute_metrics, metrics_to_dict
 from tokenweir.bench.serve_report import format_table
 from tokenweir.bench.slo_mix import SLOClass, class_report, format_class_table
 from tokenweir.config import EngineArgs
@@ -78,10 +78,9 @@ def simulate(args: EngineArgs, ns: argparse.Namespace, cost_model: StepCostModel
     return result, time.perf_counter() - start
 
 
-def result_dict(result: SimResult, ns: argparse.Namespace, args: EngineArgs, cost_model: StepCostModel,
-                wall_seconds: Optional[float], selected: list[str], percentiles: list[float],
+def result_dict(result: SimResult, metrics: BenchmarkMetrics, ns: argparse.Namespace, args: EngineArgs,
+                cost_model: StepCostModel, wall_seconds: Optional[float], selected: list[str],
                 slos: dict[str, float]) -> dict[str, Any]:
-    metrics = compute_metrics(result.records, result.duration_s, percentiles, slos)
     out: dict[str, Any] = {
         "simulated": True,
         "profile": profile_label(cost_model, ns.profile),
@@ -136,8 +135,8 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> dict[str, Any]:
     print(f"simulated {result.duration_s:.1f} s in {wall:.2f} s of wall time "
           f"({result.duration_s / wall:.0f}x real time, {result.num_steps / wall:.0f} steps/s); "
           f"{result.num_steps} steps, {result.num_preemptions} preemptions")
-    data = result_dict(result, ns, args, cost_model, wall if ns.wall_time else None,
-                       selected, percentiles, slos)
+    data = result_dict(result, metrics, ns, args, cost_model, wall if ns.wall_time else None,
+                       selected, slos)
     if ns.save_result or ns.result_filename:
         path = bench.result_path(ns, label["model"] or "model", rate_label, kind="simulated")
         path.parent.mkdir(parents=True, exist_ok=True)

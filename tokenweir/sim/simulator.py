@@ -261,9 +261,10 @@ class Simulator:
                     track.itl.append(self.now - track.last_token_s)
                 track.last_token_s = self.now
                 track.num_tokens += len(update.new_token_ids)
-        stats = sched.get_stats()
-        self.timeseries.add(self.now, stats.num_waiting, stats.num_running, stats.num_swapped,
-                            stats.kv_cache_usage, stats.num_preemptions, comp.num_tokens)
+        # The counts themselves, not get_stats(): that also copies the prefix-cache and policy
+        # stats, every step.
+        self.timeseries.add(self.now, len(sched.waiting), len(sched.running), len(sched.swapped),
+                            sched.kv_cache_manager.get_usage(), sched.num_preemptions, comp.num_tokens)
         return out.finished_req_ids
 
     @staticmethod
