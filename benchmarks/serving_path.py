@@ -182,27 +182,36 @@ def main() -> None:
     p.add_argument("--skip-concurrent", action="store_true", help="only offline and one stream")
     p.add_argument("--base-port", type=int, default=8310)
     p.add_argument("--name", default="serving_path", help="output file stem in docs/benchmarks")
+    p.add_argument("--offline-threads", type=lambda t: [int(x) for x in t.split(",")], default=[0],
+                   help="comma-separated torch thread counts for offline workers, each measured "
+                        "every round (0 = torch's default); the first is the ratios' reference")
     ns = p.parse_args()
     variants: list[Variant] = ns.variant or [Variant("this", ROOT, {})]
     for i, v in enumerate(variants):
         v.port = ns.base_port + i
     load_start = load()
-    offline = subprocess.Popen([sys.executable, "-c", _OFFLINE_WORKER, str(ns.input_len), str(ns.output_len)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=variants[0].root,
-                               env=child_env(variants[0].root, {}))
+    offline_workers = {
+        threads: subprocess.Popen([sys.executable, "-c", _OFFLINE_WORKER, str(ns.input_len), str(ns.output_len)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=variants[0].root,
+                                  env=child_env(variants[0].root, {"OMP_NUM_THREADS": str(threads)} if threads else {}))
+        for threads in ns.offline_threads}
     try:
-        assert offline.stdout is not None and offline.stdin is not None
-        if "ready" not in json.loads(offline.stdout.readline()):
-            raise RuntimeError("offline worker failed")
+        for worker in offline_workers.values():
+            assert worker.stdout is not None
+            if "ready" not in json.loads(worker.stdout.readline()):
+                raise RuntimeError("offline worker failed")
         for v in variants:  # one at a time: loading competes for the cores
             start_server(v, Path(tempfile.gettempdir()))
             wait_ready(v)
             asyncio.run(single(v, 99, ns))  # warm-up
-        offline_s: list[float] = []
+        offline_by_threads: dict[int, list[float]] = {threads: [] for threads in offline_workers}
+        offline_s = offline_by_threads[ns.offline_threads[0]]
         for r in range(ns.rounds):
-            offline.stdin.write(f"{1000 + r}\n")
-            offline.stdin.flush()
-            offline_s.append(json.loads(offline.stdout.readline())["per_token_s"])
+            for threads, worker in offline_workers.items():
+                assert worker.stdin is not None and worker.stdout is not None
+                worker.stdin.write(f"{1000 + r}\n")
+                worker.stdin.flush()
+                offline_by_threads[threads].append(json.loads(worker.stdout.readline())["per_token_s"])
             for v in variants:
                 v.tpot_1_s.append(asyncio.run(single(v, 2000 + r, ns)))
             if not ns.skip_concurrent:
@@ -213,7 +222,8 @@ def main() -> None:
                               + (f", {v.tok_s_n[-1]:.0f} tok/s at {ns.streams}" if v.tok_s_n else "")
                               for v in variants), flush=True)
     finally:
-        offline.kill()
+        for worker in offline_workers.values():
+            worker.kill()
         for v in variants:
             if v.proc is not None:
                 v.proc.terminate()
@@ -228,6 +238,9 @@ def main() -> None:
         "input_len": ns.input_len, "output_len": ns.output_len, "streams": ns.streams,
         "num_prompts": ns.num_prompts, "rounds": ns.rounds,
         "offline_per_token_ms": [x * 1e3 for x in offline_s], "offline_per_token_ms_median": off * 1e3,
+        "offline_threads": ns.offline_threads,
+        "offline_per_token_ms_median_by_threads": {str(t or "default"): median(xs) * 1e3
+                                                   for t, xs in offline_by_threads.items()},
         "variants": {v.name: {"root": str(v.root), "env": v.env,
                               "tpot_1_ms": [x * 1e3 for x in v.tpot_1_s],
                               "tpot_1_ms_median": median(v.tpot_1_s) * 1e3,
@@ -249,7 +262,9 @@ def markdown(r: dict) -> str:
              f"Command: `{r['command']}`", "",
              f"One request: {r['input_len']}-token prompt, {r['output_len']} new tokens (ignore_eos), default model. "
              f"Medians of {r['rounds']} rounds, variants measured in turn within each round.", "",
-             f"Offline `LLM.generate` per-token time: **{r['offline_per_token_ms_median']:.2f} ms**", "",
+             f"Offline `LLM.generate` per-token time: **{r['offline_per_token_ms_median']:.2f} ms**"
+             + "".join(f"; with {t} torch threads {ms:.2f} ms"
+                       for t, ms in r["offline_per_token_ms_median_by_threads"].items() if t != "default"), "",
              f"| variant | TPOT, 1 stream (ms) | TPOT / offline | output tok/s at {r['streams']} streams |",
              "|---|---|---|---|"]
     for name, v in r["variants"].items():
