@@ -10,9 +10,9 @@ Every server and the offline worker stay loaded for the whole run; each round me
 them once, in turn. Medians over the rounds and the ratios server TPOT / offline per-token
 time are printed and written to docs/benchmarks/serving_path.{json,md}.
 
-A variant is NAME=ROOT[,KEY=VAL...]: the server runs `tokenweir serve` from the checkout ROOT
-(PYTHONPATH=ROOT) with the extra environment variables; the offline worker runs from the first
-variant's ROOT.
+A variant is NAME=ROOT[,KEY=VAL...][,--FLAG...]: the server runs `tokenweir serve` from the
+checkout ROOT (PYTHONPATH=ROOT) with the extra environment variables and serve flags; the offline
+worker runs from the first variant's ROOT.
 
     .venv/bin/python benchmarks/serving_path.py --variant main=/work/main --variant this=.
 """
@@ -71,6 +71,7 @@ class Variant:
     name: str
     root: Path
     env: dict[str, str]
+    flags: list[str] = field(default_factory=list)
     port: int = 0
     proc: Optional[subprocess.Popen] = None
     model: str = ""
@@ -80,11 +81,13 @@ class Variant:
 
 def parse_variant(text: str) -> Variant:
     name, _, rest = text.partition("=")
-    root, *env_items = rest.split(",")
+    root, *items = rest.split(",")
+    flags = [item for item in items if item.startswith("--")]
+    env_items = [item for item in items if not item.startswith("--")]
     if not name or not root or not all("=" in kv for kv in env_items):
-        raise argparse.ArgumentTypeError(f"expected NAME=ROOT[,KEY=VAL...], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=ROOT[,KEY=VAL...][,--FLAG...], got {text!r}")
     env = dict(kv.split("=", 1) for kv in env_items)
-    return Variant(name, Path(root).resolve(), env)
+    return Variant(name, Path(root).resolve(), env, flags)
 
 
 def child_env(root: Path, extra: dict[str, str]) -> dict[str, str]:
@@ -98,7 +101,7 @@ def load() -> list[float]:
 def start_server(v: Variant, log_dir: Path) -> None:
     log = open(log_dir / f"serving_path-{v.name}.log", "w")
     cmd = [sys.executable, "-m", "tokenweir.cli", "serve", "--port", str(v.port), "--disable-log-stats",
-           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *v.flags]
     v.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=v.root,
                               env=child_env(v.root, v.env))
 
@@ -241,7 +244,7 @@ def main() -> None:
         "offline_threads": ns.offline_threads,
         "offline_per_token_ms_median_by_threads": {str(t or "default"): median(xs) * 1e3
                                                    for t, xs in offline_by_threads.items()},
-        "variants": {v.name: {"root": str(v.root), "env": v.env,
+        "variants": {v.name: {"root": str(v.root), "env": v.env, "flags": v.flags,
                               "tpot_1_ms": [x * 1e3 for x in v.tpot_1_s],
                               "tpot_1_ms_median": median(v.tpot_1_s) * 1e3,
                               "tpot_1_over_offline": median(v.tpot_1_s) / off,
