@@ -154,9 +154,10 @@ def test_the_leftover_budget_tops_up_the_long_prefill_and_short_ones_go_first():
 
 
 def test_the_top_up_never_preempts_nor_takes_the_admission_reserve():
-    # 13 blocks of 4, reserve 2: L's first chunk (8 tokens) needs 2 blocks; the top-up to the
-    # step's 32 tokens would need 8 blocks in all, more than the 11 above the reserve minus R's.
-    scheduler, runner = limited(budget=32, threshold=8, num_blocks=13, watermark=0.2), PagedFakeRunner(4)
+    # 16 blocks of 4, a reserve of 3. R holds 7 once it decodes; L's first chunk (8 tokens) takes
+    # 2, leaving 7 free: topping L up to the step's 31 tokens would take 6 more, which fit only
+    # by using the reserve.
+    scheduler, runner = limited(budget=32, threshold=8, num_blocks=16, watermark=0.2), PagedFakeRunner(4)
     scheduler.add_request(make_request("R", 24, max_tokens=30))
     step(scheduler, runner)
     scheduler.add_request(make_request("L", 40))
@@ -164,7 +165,7 @@ def test_the_top_up_never_preempts_nor_takes_the_admission_reserve():
     assert scheduler.num_preemptions == 0
     free_after = scheduler.kv_cache_manager.get_num_free_blocks()
     assert free_after >= scheduler.kv_cache_manager.watermark_blocks
-    assert 8 <= out.num_scheduled_tokens["L"] < 31
+    assert out.num_scheduled_tokens["L"] == 8
     run_until_done(scheduler, runner)
     assert_no_leaks(scheduler)
 
@@ -200,11 +201,14 @@ def test_limits_and_policy_order_hold_in_every_step(workload):
     config, specs = workload
     scheduler = limited(**config)
     order = {s["rid"]: i for i, s in enumerate(specs)}  # arrivals of one step come in this order
+    queue_position: dict[str, int] = {}
 
     def rank(r: Request) -> tuple:
-        """The policy's order: FCFS by arrival, priority by level first."""
-        key = (r.arrival_time, order[r.request_id])
-        return key if config["policy"] == "fcfs" else (r.priority, *key)
+        """The policy's order: FCFS the queue's (victims go back to its front), priority by level,
+        then arrival."""
+        if config["policy"] == "fcfs":
+            return (queue_position[r.request_id],)
+        return (r.priority, r.arrival_time, order[r.request_id])
 
     runner = PagedFakeRunner(scheduler.block_size)
     threshold = scheduler.config.long_prefill_token_threshold
@@ -215,6 +219,7 @@ def test_limits_and_policy_order_hold_in_every_step(workload):
         for s in specs:
             if s["arrival"] == n:
                 scheduler.add_request(requests[s["rid"]])
+        queue_position = {r.request_id: i for i, r in enumerate(scheduler.waiting)}
         waiting_before = sorted(scheduler.waiting, key=rank)
         left_before = {rid: r.num_tokens - r.num_computed_tokens for rid, r in scheduler.requests.items()}
         out = step(scheduler, runner, now=float(n))
