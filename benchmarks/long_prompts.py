@@ -5,9 +5,11 @@ interleaved (4 after each long one, 0.04 s apart). Each engine configuration get
 `tokenweir serve` (default model), one warm-up, then the workload, sent by `tokenweir bench
 serve`'s own code (the trace dataset, from a CSV of this shape). Reports short-request TTFT
 (p50, p99), long-request TTFT, total token throughput and the makespan, side by side. Writes
-docs/benchmarks/batching_prefill.json and prints a markdown table.
+docs/benchmarks/batching_prefill.json and prints a markdown table. With --simulate, the same
+workload and configurations go through `tokenweir simulate` (shipped CPU profile) instead:
+SIMULATED numbers, written to batching_prefill_sim.json.
 
-    .venv/bin/python benchmarks/long_prompts.py [--configs NAME ...] [--repeats 1]
+    .venv/bin/python benchmarks/long_prompts.py [--configs NAME ...] [--repeats 1] [--simulate]
 """
 
 from __future__ import annotations
@@ -98,6 +100,19 @@ def run_config(name: str, flags: list[str], trace: Path, num_prompts: int, hf_fo
     return {"config": name, "flags": flags, "seed": seed, **summarize(result)}
 
 
+def simulate_config(name: str, flags: list[str], trace: Path, num_prompts: int, hf_folder: str, seed: int,
+                    tmp: Path) -> dict:
+    """The same workload through the simulator (virtual time, the shipped profile)."""
+    out = tmp / f"sim-{seed}-{len(flags)}-{abs(hash(name))}.json"
+    subprocess.run([str(BIN / "tokenweir"), "simulate", *flags, "--dataset-name", "trace", "--trace-path", str(trace),
+                    "--num-prompts", str(num_prompts), "--tokenizer", hf_folder, "--seed", str(seed),
+                    "--metric-percentiles", "50,99", "--disable-tqdm", "--result-filename", str(out)],
+                   check=True, cwd=ROOT, stdout=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    result = json.loads(out.read_text())
+    return {"config": name, "flags": flags, "seed": seed, "simulated": True, "profile": result.get("profile"),
+            **summarize(result)}
+
+
 def markdown(runs: list[dict], baseline: dict) -> str:
     lines = ["| configuration | short TTFT p50 s | short TTFT p99 s | x better (p99) | long TTFT p50 s | "
              "total tok/s | vs no chunking | makespan s | ITL p99 ms |", "|" + "---|" * 9]
@@ -116,14 +131,21 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
     parser.add_argument("--repeats", type=int, default=1, help="runs of each configuration (fresh prompts each)")
     parser.add_argument("--port", type=int, default=8130)
-    parser.add_argument("--output", type=Path, default=OUT / "batching_prefill.json")
+    parser.add_argument("--simulate", action="store_true", help="tokenweir simulate instead of a server")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="default: docs/benchmarks/batching_prefill.json (_sim.json with --simulate)")
     ns = parser.parse_args()
+    output = ns.output or OUT / ("batching_prefill_sim.json" if ns.simulate else "batching_prefill.json")
     hf_folder = ensure_hf_folder(default_model_path())
     with tempfile.TemporaryDirectory() as tmp:
         trace = Path(tmp) / "long_prompts.csv"
         num_prompts = write_trace(trace)
-        runs = [run_config(name, CONFIGS[name], trace, num_prompts, hf_folder, ns.port, seed)
-                for seed in range(ns.repeats) for name in ns.configs]
+        if ns.simulate:
+            runs = [simulate_config(name, CONFIGS[name], trace, num_prompts, hf_folder, seed, Path(tmp))
+                    for seed in range(ns.repeats) for name in ns.configs]
+        else:
+            runs = [run_config(name, CONFIGS[name], trace, num_prompts, hf_folder, ns.port, seed)
+                    for seed in range(ns.repeats) for name in ns.configs]
     baseline = next((r for r in runs if r["config"] == "no chunking"), runs[0])
     report = {"workload": {"num_long": NUM_LONG, "long_len": LONG_LEN, "long_gap_s": LONG_GAP_S,
                            "shorts_per_long": SHORTS_PER_LONG, "short_len": SHORT_LEN, "short_gap_s": SHORT_GAP_S,
@@ -131,7 +153,7 @@ def main() -> None:
               "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, {os.cpu_count()} cores "
                          f"(shared), CPython {platform.python_version()}",
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "runs": runs}
-    ns.output.write_text(json.dumps(report, indent=2))
+    output.write_text(json.dumps(report, indent=2))
     print(markdown(runs, baseline))
 
 

@@ -73,9 +73,10 @@ class SchedulerConfig:
     # prompt cannot starve the decodes sharing the step.
     long_prefill_token_threshold: int = 0
     # Concurrent partial prefills (vLLM's names; core/prefill_limits.py): with more than 1, at
-    # most this many requests prefill in one step, and at most max_long_partial_prefills of them
-    # have more than long_prefill_token_threshold tokens left, so short prompts pass long ones.
-    # 1 leaves prefills unlimited, as before (vLLM's default and convention).
+    # most this many prefills end a step unfinished, and at most max_long_partial_prefills
+    # prefills of a step have more than long_prefill_token_threshold tokens left, so short
+    # prompts pass long ones. 1 leaves prefills unlimited, as before (vLLM's default, and its
+    # convention).
     max_num_partial_prefills: int = 1
     max_long_partial_prefills: int = 1
     # The policy's own knobs (its config_class); None: the policy's defaults.
@@ -215,10 +216,10 @@ class EngineArgs:
         "help": "cap on one prefill chunk's tokens per step (0 = off), and what counts as a long prompt "
                 "for --max-long-partial-prefills (0 there: 4%% of max_model_len)"})
     max_num_partial_prefills: int = field(default=1, metadata={
-        "help": "requests that may prefill in one step (1 = unlimited, as vLLM); above 1, long prompts are "
-                "limited by --max-long-partial-prefills and shorter ones may pass them"})
+        "help": "prefills that may end a step unfinished (1 = unlimited, as in vLLM); above 1, long prompts "
+                "are limited by --max-long-partial-prefills and shorter ones may pass them"})
     max_long_partial_prefills: int = field(default=1, metadata={
-        "help": "of those, prompts with more than --long-prefill-token-threshold tokens left (<= "
+        "help": "prefills per step with more than --long-prefill-token-threshold tokens left (<= "
                 "--max-num-partial-prefills)"})
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "fcfs | priority | sla (adaptive score) | vtc (per-tenant fair share)"})

@@ -173,10 +173,15 @@ def test_the_top_up_never_preempts_nor_takes_the_admission_reserve():
 # ---------------------------------------------------------------- properties
 
 
-def prefill_counts(scheduler: Scheduler, out: SchedulerOutput, left_before: dict[str, int]) -> tuple[int, int]:
+def prefill_counts(scheduler: Scheduler, out: SchedulerOutput, num_tokens: dict[str, int]) -> tuple[int, int]:
+    """The step's partial prefills (left unfinished) and its long prefills, as the runner sees
+    them: tokens left after what is computed (prefix hits of a new request included)."""
     threshold = scheduler.config.long_prefill_token_threshold
-    prefills = [rid for rid in out.num_scheduled_tokens if left_before[rid] > 1]
-    return len(prefills), sum(1 for rid in prefills if left_before[rid] > threshold)
+    computed = {new.request_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+    computed.update((c.request_id, c.num_computed_tokens) for c in out.scheduled_cached_reqs)
+    left = {rid: num_tokens[rid] - computed[rid] for rid in out.num_scheduled_tokens}
+    return (sum(1 for rid, n in out.num_scheduled_tokens.items() if 1 < left[rid] and n < left[rid]),
+            sum(1 for rid in left if left[rid] > threshold))
 
 
 @st.composite
@@ -222,9 +227,10 @@ def test_limits_and_policy_order_hold_in_every_step(workload):
         queue_position = {r.request_id: i for i, r in enumerate(scheduler.waiting)}
         waiting_before = sorted(scheduler.waiting, key=rank)
         left_before = {rid: r.num_tokens - r.num_computed_tokens for rid, r in scheduler.requests.items()}
+        tokens_before = {rid: r.num_tokens for rid, r in scheduler.requests.items()}
         out = step(scheduler, runner, now=float(n))
-        num_prefills, num_long = prefill_counts(scheduler, out, left_before)
-        assert num_prefills <= scheduler.config.max_num_partial_prefills
+        num_partial, num_long = prefill_counts(scheduler, out, tokens_before)
+        assert num_partial <= scheduler.config.max_num_partial_prefills
         assert num_long <= scheduler.config.max_long_partial_prefills
         in_prefill = [r for r in scheduler.running if r.num_tokens - r.num_computed_tokens > 1]
         assert len(in_prefill) <= scheduler.config.max_num_partial_prefills

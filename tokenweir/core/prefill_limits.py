@@ -2,9 +2,12 @@
 may be long (vLLM's `max_num_partial_prefills`, `max_long_partial_prefills`).
 
 A request prefills in a step when it has more than one token left to compute (one is a decode);
-it is long while more than `long_prefill_token_threshold` are left, so a long prompt turns short
-for its last chunk and frees its long slot then. Running requests are never held back: the
-limits act on admissions (and swap-ins), so they hold for the running requests too.
+its prefill is partial when the step leaves some of them for later, and long while more than
+`long_prefill_token_threshold` are left (so a long prompt turns short for its last chunk and
+frees its long slot then). At most `max_num_partial_prefills` prefills end a step unfinished: a
+short prompt done in one step takes no slot, only budget. At most `max_long_partial_prefills`
+long ones run in a step. Running requests are never held back: the limits act on admissions
+(and swap-ins), so they hold for the running requests too.
 
 Short prompts may pass a long one that waits for a long slot (it keeps its place in line and
 starts as soon as a slot is free: running prefills end, so it cannot starve), but only where the
@@ -61,35 +64,42 @@ class StepPrefills:
     limits: PartialPrefillLimits
     policy: SchedulingPolicy
     now: float
-    long: dict[str, bool] = field(default_factory=dict)  # request id -> long, prefilling this step
+    # Request id -> (long, partial) of each prefill scheduled in this step.
+    prefills: dict[str, tuple[bool, bool]] = field(default_factory=dict)
     num_long: int = 0
+    num_partial: int = 0
     passed: list[Request] = field(default_factory=list)  # waiting for a long slot, in policy order
 
-    def add(self, request: Request) -> None:
-        """Count a scheduled chunk (before its tokens are computed)."""
+    def add(self, request: Request, num_scheduled: int) -> None:
+        """Count a scheduled chunk (before its tokens are computed), or a chunk grown since."""
         num_left = request.num_tokens - request.num_computed_tokens
-        if num_left > 1 and request.request_id not in self.long:
-            is_long = num_left > self.limits.long_prefill_token_threshold
-            self.long[request.request_id] = is_long
-            self.num_long += is_long
+        if num_left > 1:
+            self.remove(request.request_id)
+            kind = (num_left > self.limits.long_prefill_token_threshold, num_scheduled < num_left)
+            self.prefills[request.request_id] = kind
+            self.num_long += kind[0]
+            self.num_partial += kind[1]
 
     def remove(self, request_id: str) -> None:
-        """A victim preempted in this step gives its slot back."""
-        if self.long.pop(request_id, False):
-            self.num_long -= 1
+        """A victim preempted in this step gives its slots back."""
+        kind = self.prefills.pop(request_id, None)
+        if kind is not None:
+            self.num_long -= kind[0]
+            self.num_partial -= kind[1]
 
-    def admits(self, request: Request, num_new_tokens: int) -> bool:
+    def admits(self, request: Request, num_new_tokens: int, budget: int) -> bool:
         """Whether `request`, with `num_new_tokens` to compute (prefix hits excluded), may start
-        now. A long one refused only for want of a long slot is `passed` over: shorter ones
-        behind it may still start, where the policy lets them overtake every such request."""
+        now, in a step with `budget` tokens left. A long one refused only for want of a long
+        slot is `passed` over: shorter ones behind it may still start, where the policy lets
+        them overtake every such request."""
         if not all(self.policy.may_overtake(request, ahead, self.now) for ahead in self.passed):
             return False
         if num_new_tokens <= 1:
             return True
-        if len(self.long) >= self.limits.max_num_partial_prefills:
+        is_long = num_new_tokens > self.limits.long_prefill_token_threshold
+        if (is_long or num_new_tokens > budget) and self.num_partial >= self.limits.max_num_partial_prefills:
             return False
-        if (num_new_tokens > self.limits.long_prefill_token_threshold
-                and self.num_long >= self.limits.max_long_partial_prefills):
+        if is_long and self.num_long >= self.limits.max_long_partial_prefills:
             if len(self.passed) < MAX_PASSED_PER_STEP:
                 self.passed.append(request)
             return False
@@ -102,4 +112,4 @@ class StepPrefills:
     def capped(self) -> list[str]:
         """The long prefills of this step, in the order they were scheduled: the ones the
         threshold capped, which the step's leftover budget tops up."""
-        return [rid for rid, is_long in self.long.items() if is_long]
+        return [rid for rid, (is_long, _) in self.prefills.items() if is_long]

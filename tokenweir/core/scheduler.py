@@ -332,7 +332,7 @@ class Scheduler:
             if self.config.enable_chunked_prefill or num_new <= step.budget:
                 num_new = self._cap_tokens(num_new, step.budget)
                 if step.prefills is None or step.prefills.admits(
-                        request, request.num_tokens - request.num_computed_tokens):
+                        request, request.num_tokens - request.num_computed_tokens, step.budget):
                     # As for an admission: the reserve holds unless nothing else runs.
                     pairs = self.kv_cache_manager.swap_in(request, num_new, apply_watermark=bool(self.running))
             if pairs is None:
@@ -350,7 +350,7 @@ class Scheduler:
         num_new = request.num_tokens - num_hit
         if not self.config.enable_chunked_prefill and num_new > step.budget:
             return False  # the whole prompt must go in one step: wait for room
-        if step.prefills is not None and not step.prefills.admits(request, num_new):
+        if step.prefills is not None and not step.prefills.admits(request, num_new, step.budget):
             return False
         num_new = self._cap_tokens(num_new, step.budget)
         victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
@@ -472,7 +472,7 @@ class Scheduler:
         if blocks:
             step.new_block_ids[request.request_id] = blocks.get_block_ids()
         if step.prefills is not None:
-            step.prefills.add(request)
+            step.prefills.add(request, num_new)
 
     def _top_up(self, step: _StepState) -> None:
         """What the step has left goes to its long prefills, which the threshold capped, in
@@ -490,6 +490,7 @@ class Scheduler:
                 continue
             step.num_scheduled[request_id] = num_scheduled + extra
             step.budget -= extra
+            step.prefills.add(request, num_scheduled + extra)
             if blocks:
                 step.new_block_ids.setdefault(request_id, []).extend(blocks.get_block_ids())
 
