@@ -102,7 +102,7 @@ def build_long_slot_taken(num_running: int, num_waiting: int, steps: int) -> Sch
     """The partial-prefill limits' worst case: `num_running` decodes and one long prefill (it
     outlasts the measurement) hold the only long slot, sequence slots are free, and every
     waiting prompt is long, so admission looks past as many as it may in every step."""
-    block_size, budget = 16, 2 * num_running
+    block_size, budget = 16, 2 * num_running + 64  # room left after the hog's capped chunk
     hog_len = (steps * 2 + 200) * (budget - num_running)  # the top-up gives it the leftover budget
     decode_blocks = (steps * 2 + 400) // block_size + 2
     sched = Scheduler(
@@ -119,7 +119,7 @@ def build_long_slot_taken(num_running: int, num_waiting: int, steps: int) -> Sch
         now += STEP_S
     sched.add_request(Request("hog", [j % 50000 for j in range(hog_len)], params, arrival_time=now, eos_token_id=2))
     for i in range(num_waiting):
-        sched.add_request(Request(f"long-{i}", [(i * 11 + j) % 50000 for j in range(128)], params,
+        sched.add_request(Request(f"long-{i}", [(i * 11 + j + 7) % 50000 for j in range(128)], params,
                                   arrival_time=now + (i + 1) * 1e-6, eos_token_id=2))
     sched.bench_now = now  # type: ignore[attr-defined]
     return sched

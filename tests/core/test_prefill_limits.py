@@ -4,15 +4,14 @@ prompts pass long ones that wait for a long slot, long ones do not starve, polic
 from __future__ import annotations
 
 import re
-from typing import Optional
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig
+from tokenweir.core.policies import SLAConfig, create_policy
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
-from tokenweir.request import Request
+from tokenweir.request import Request, SchedulingHints
 from tests.core.helpers import (PagedFakeRunner, assert_no_leaks, make_request, reference_stream,
                                 run_until_done, step)
 
@@ -265,3 +264,25 @@ def test_by_default_the_threshold_stays_a_hard_cap_and_nothing_is_passed():
     assert_no_leaks(scheduler)
     assert steps[0] == {"r0": 8, "r1": 8, "r2": 5}
     assert max(max(s.values()) for s in steps) == 8
+
+
+def with_deadline(request_id: str, deadline: float, arrival_time: float = 0.0) -> Request:
+    return Request(request_id, [5, 6, 7], make_request(request_id, 3).sampling_params, arrival_time=arrival_time,
+                   eos_token_id=2, hints=SchedulingHints(deadline=deadline))
+
+
+def test_which_policies_let_a_short_prompt_overtake():
+    fcfs, vtc, sla = create_policy("fcfs"), create_policy("vtc"), create_policy("sla")
+    sla_tenants = create_policy("sla", SLAConfig(tenant_fairness=True))
+    short, long = make_request("s", 3, arrival_time=1.0, tenant="a"), make_request("l", 90, tenant="a")
+    other_tenant = make_request("o", 3, arrival_time=1.0, tenant="b")
+    assert fcfs.may_overtake(short, long, now=1.0)
+    assert vtc.may_overtake(short, long, now=1.0) and not vtc.may_overtake(other_tenant, long, now=1.0)
+    assert sla.may_overtake(short, long, now=1.0) and sla.may_overtake(other_tenant, long, now=1.0)
+    assert not sla_tenants.may_overtake(other_tenant, long, now=1.0)
+    # sla: never past a higher class, an earlier deadline, or a request past the wait bound.
+    assert not sla.may_overtake(make_request("p", 3, priority=1, arrival_time=1.0), long, now=1.0)
+    assert not sla.may_overtake(with_deadline("late", 30.0, 1.0), with_deadline("soon", 10.0), now=1.0)
+    assert sla.may_overtake(with_deadline("soon", 5.0, 1.0), with_deadline("late", 30.0), now=1.0)
+    assert not sla.may_overtake(short, long, now=SLAConfig().max_wait + 1)
+    assert not create_policy("priority").may_overtake(make_request("p", 3, priority=1), long, now=1.0)
