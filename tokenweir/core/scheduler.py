@@ -471,8 +471,8 @@ class Scheduler:
         step.budget -= num_new
         if blocks:
             step.new_block_ids[request.request_id] = blocks.get_block_ids()
-        if step.prefills is not None:
-            step.prefills.add(request, num_new)
+        if step.prefills is not None and request.num_tokens - request.num_computed_tokens > 1:
+            step.prefills.add(request, num_new)  # a prefill (a decode, most calls, skips the call)
 
     def _top_up(self, step: _StepState) -> None:
         """What the step has left goes to its long prefills, which the threshold capped, in
