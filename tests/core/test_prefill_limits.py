@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig
-from tokenweir.core.policies import SLAConfig, create_policy
+from tokenweir.core.policies import SLAConfig, create_policy, priority_key
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
 from tokenweir.request import Request, SchedulingHints
 from tests.core.helpers import (PagedFakeRunner, assert_no_leaks, make_request, reference_stream,
@@ -204,15 +204,13 @@ def workloads(draw):
 def test_limits_and_policy_order_hold_in_every_step(workload):
     config, specs = workload
     scheduler = limited(**config)
-    order = {s["rid"]: i for i, s in enumerate(specs)}  # arrivals of one step come in this order
     queue_position: dict[str, int] = {}
 
     def rank(r: Request) -> tuple:
-        """The policy's order: FCFS the queue's (victims go back to its front), priority by level,
-        then arrival."""
+        """The policy's order: FCFS the queue's (victims go back to its front), priority its key."""
         if config["policy"] == "fcfs":
             return (queue_position[r.request_id],)
-        return (r.priority, r.arrival_time, order[r.request_id])
+        return priority_key(r)
 
     runner = PagedFakeRunner(scheduler.block_size)
     threshold = scheduler.config.long_prefill_token_threshold

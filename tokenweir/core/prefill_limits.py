@@ -1,5 +1,5 @@
-"""Concurrent partial prefills: how many requests may prefill in one step, and how many of those
-may be long (vLLM's `max_num_partial_prefills`, `max_long_partial_prefills`).
+"""Concurrent partial prefills: how many prefills a step may leave unfinished, and how many long
+ones it may run (vLLM's `max_num_partial_prefills`, `max_long_partial_prefills`).
 
 A request prefills in a step when it has more than one token left to compute (one is a decode);
 its prefill is partial when the step leaves some of them for later, and long while more than
@@ -15,7 +15,7 @@ policy allows (`SchedulingPolicy.may_overtake`): never past a request ranked fir
 priority or deadline.
 
 The budget: the threshold caps a long prefill's first claim on the step, not its share. What
-the step has left after admissions goes back to the capped prefills (`top_up`), so short
+the step has left after admissions goes back to the capped prefills (`Scheduler._top_up`), so short
 prompts arriving behind a long one get in at once, and the long one still fills an otherwise
 idle step (a hard cap, vLLM's, leaves budget unused whenever nothing short is waiting).
 """
