@@ -139,6 +139,17 @@ def test_a_short_prompt_never_passes_a_long_one_of_higher_priority():
     assert first["S_low"] >= first["L2"]
 
 
+def test_no_more_prefills_than_the_limit_are_left_unfinished():
+    # Two long prefills hold both slots; S fits no slot: with 4 tokens of budget left it would
+    # be a third partial prefill. The leftover tops L1 up instead.
+    scheduler, runner = limited(budget=20, threshold=8, partial=2, long=2), PagedFakeRunner(4)
+    for rid, length in (("L1", 100), ("L2", 100), ("S", 6)):
+        scheduler.add_request(make_request(rid, length))
+    assert step(scheduler, runner).num_scheduled_tokens == {"L1": 12, "L2": 8}
+    run_until_done(scheduler, runner)
+    assert_no_leaks(scheduler)
+
+
 def test_the_leftover_budget_tops_up_the_long_prefill_and_short_ones_go_first():
     scheduler, runner = limited(budget=32, threshold=8), PagedFakeRunner(4)
     scheduler.add_request(make_request("L", 100))

@@ -490,7 +490,6 @@ class Scheduler:
                 continue
             step.num_scheduled[request_id] = num_scheduled + extra
             step.budget -= extra
-            step.prefills.add(request, num_scheduled + extra)
             if blocks:
                 step.new_block_ids.setdefault(request_id, []).extend(blocks.get_block_ids())
 
