@@ -156,3 +156,35 @@ def test_a_bad_model_path_raises_in_the_servers_process(tmp_path):
     with pytest.raises(Exception, match=str(tmp_path / "missing")) as info:
         MPAsyncLLMEngine(EngineArgs(model=str(tmp_path / "missing"), device="cpu"), startup_timeout_s=300)
     assert not isinstance(info.value, RuntimeError) or "did not start" not in str(info.value)
+
+
+def test_outputs_equal_the_in_process_engines_with_logprobs_seeds_and_stop_strings(clean, engine):
+    """Every output of a stream, as the in-process engine (the session's `engine`) gives them:
+    the deltas rebuild tokens, text (cut back by a stop string), logprobs and finish reasons."""
+    cases = {
+        "seeded": ([5, 6, 7], SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)),
+        "greedy": ([8, 9], SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, ignore_eos=True)),
+    }
+
+    async def run(eng):
+        return await asyncio.gather(*(collect(eng, rid, p, params) for rid, (p, params) in cases.items()))
+
+    in_process = asyncio.run(run(engine))
+    finals = [outs[-1] for outs in in_process]
+    # A stop string from inside the greedy text: the text is held back, then cut there.
+    text = finals[1].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if stop:
+        cases["stopped"] = ([8, 9], SamplingParams(max_tokens=10, temperature=0.0, stop=[stop], ignore_eos=True))
+        in_process = asyncio.run(run(engine))
+    in_engine_process = asyncio.run(run(clean))
+
+    def comparable(o):
+        c = o.outputs[0]
+        return (o.request_id, o.prompt_token_ids, o.finished, c.text, c.token_ids, c.finish_reason,
+                c.stop_reason, c.logprobs, c.cumulative_logprob)
+
+    assert [comparable(outs[-1]) for outs in in_engine_process] == [comparable(outs[-1]) for outs in in_process]
+    for outs in in_engine_process:  # cumulative: each output extends the one before
+        for before, after in zip(outs, outs[1:]):
+            assert after.outputs[0].token_ids[:len(before.outputs[0].token_ids)] == before.outputs[0].token_ids

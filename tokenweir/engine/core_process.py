@@ -33,6 +33,7 @@ from tokenweir.engine.async_engine import STATS_LOG_INTERVAL_S, AsyncLLMEngine
 from tokenweir.engine.client import EngineDeadError, ModelInfo
 from tokenweir.engine.core_loop import Command, CoreLoop, ShutdownCommand
 from tokenweir.engine.output import RequestOutput
+from tokenweir.engine.output_delta import OutputDelta, OutputDeltaDecoder, OutputDeltaEncoder
 
 logger = logging.getLogger("tokenweir")
 
@@ -59,11 +60,13 @@ class _Exit:
 
 
 class _ShippingSink:
-    """The sink inside the engine process: records the loop's calls, sends them on flush."""
+    """The sink inside the engine process: records the loop's calls, sends them on flush;
+    outputs go as deltas (output_delta.py)."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
         self.calls: list[tuple[str, tuple]] = []
+        self.deltas = OutputDeltaEncoder()
 
     def flush(self) -> None:
         if self.calls:
@@ -74,12 +77,13 @@ class _ShippingSink:
         self.calls.append(("on_accepted", (request_id, error)))
 
     def on_output(self, output: RequestOutput, now: float) -> None:
-        self.calls.append(("on_output", (output, now)))
+        self.calls.append(("on_output", (self.deltas.encode(output), now)))
 
     def on_expired(self, output: RequestOutput, message: str) -> None:
-        self.calls.append(("on_expired", (output, message)))
+        self.calls.append(("on_expired", (self.deltas.encode(output), message)))
 
     def on_failed(self, request_id: str, error: BaseException) -> None:
+        self.deltas.forget(request_id)
         self.calls.append(("on_failed", (request_id, error)))
 
     def on_iteration(self, num_scheduled_tokens: int) -> None:
@@ -178,6 +182,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
                 raise info.error
             raise RuntimeError(f"the engine process did not start: {info.reason}")
         self.info = info
+        self._deltas = OutputDeltaDecoder()  # the reader thread's
         self._init_front(info.model_info, info.tokenizer, args, info.max_num_batched_tokens, info.stats,
                          log_stats, stats_interval_s, time.monotonic)
         self._thread = threading.Thread(target=self._run, name="tokenweir-engine-reader", daemon=True)
@@ -197,6 +202,18 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+
+    # The engine process's sink calls, as the reader replays them: outputs arrive as deltas.
+
+    def on_output(self, output: OutputDelta, now: float) -> None:  # type: ignore[override]
+        super().on_output(self._deltas.decode(output), now)
+
+    def on_expired(self, output: OutputDelta, message: str) -> None:  # type: ignore[override]
+        super().on_expired(self._deltas.decode(output), message)
+
+    def on_failed(self, request_id: str, error: BaseException) -> None:
+        self._deltas.forget(request_id)
+        super().on_failed(request_id, error)
 
     def _run(self) -> None:
         """The reader thread: replays the engine's sink calls onto this front, in order."""
@@ -218,4 +235,5 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
             logger.exception("reading from the engine process failed")
             reason = EngineDeadError(f"reading from the engine process failed: {e!r}")
             self.process.kill()
+        self._deltas.clear()
         self._die(reason)
