@@ -108,11 +108,14 @@ def main() -> None:
                         help="send ignore_eos (transformers serve rejects the field: use --no-ignore-eos)")
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--ready-timeout", type=float, default=600)
+    parser.add_argument("--server-arg", action="append", default=[], metavar="FLAG",
+                        help="an extra flag for `tokenweir serve` (repeatable), e.g. --server-arg=--engine-in-process")
+    parser.add_argument("--label", default="", help="appended to the result file's name")
     ns = parser.parse_args()
 
     hf_folder = ensure_hf_folder(default_model_path())
     base_url = f"http://127.0.0.1:{ns.port}"
-    command = server_command(ns.system, ns.port, hf_folder)
+    command = server_command(ns.system, ns.port, hf_folder) + ns.server_arg
     print("server:", " ".join(command), file=sys.stderr)
     log_path = Path(tempfile.gettempdir()) / f"tokenweir-bench-{ns.system}-server.log"
     print("server log:", log_path, file=sys.stderr)
@@ -143,7 +146,7 @@ def main() -> None:
     report = {"system": ns.system, "server_command": command, "server_ready_s": ready_s,
               "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, CPython {platform.python_version()}",
               "args": vars(ns), "runs": runs}
-    suffix = "" if ns.ignore_eos else "-no-ignore-eos"
+    suffix = ("" if ns.ignore_eos else "-no-ignore-eos") + (f"-{ns.label}" if ns.label else "")
     (OUT / f"serving-{ns.system}{suffix}.json").write_text(json.dumps(report, indent=2))
     print(markdown(ns.system, runs))
 
