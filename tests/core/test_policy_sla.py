@@ -91,7 +91,8 @@ def test_by_default_a_priority_level_outranks_urgency_and_a_late_backlog_drains_
     queue.remove(batch)
     # Within a level, one that missed its SLO 400 s ago overtakes one at its due time (both
     # below max_wait), so late requests do not pile up until the wait bound serves them first.
-    late, due = _req("late", priority=1, ttft_slo=1.0, arrival=0.0), _req("due", priority=1, ttft_slo=10.0, arrival=400.0)
+    late = _req("late", priority=1, ttft_slo=1.0, arrival=0.0)
+    due = _req("due", priority=1, ttft_slo=10.0, arrival=400.0)
     queue.add(late)
     queue.add(due)
     policy.begin_step(410.0, queue, [])
