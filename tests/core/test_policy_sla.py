@@ -4,6 +4,7 @@ the wait bound, hysteresis and protection, deadline shedding, and no starvation 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, reference_stream, step
 from tokenweir.config import EngineArgs
 from tokenweir.core.policies import SLAConfig, SLAPolicy, ServedRequest, VTCConfig, priority_class
-from tokenweir.core.policies.sla_score import sigmoid
+from tokenweir.core.policies.sla_score import sigmoid, urgency
 from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
 
 
@@ -142,6 +143,45 @@ def test_the_queue_pops_in_score_order_like_a_full_rescore(requests, now, tenant
             assert policy.score(popped, now) == pytest.approx(max(policy.score(r, now) for r in same_tenant), abs=1e-9)
         waiting.remove(popped)
     assert len(queue) == 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_queue_pops_exactly_the_best_entry_as_time_passes(seed):
+    """Against brute force over the queue's own terms, exactly (ties to the earliest put):
+    bursts of alike requests, late backlogs, decoding ones put back, pops put back, time moving
+    by steps and jumps; strong and no aging, strong and no urgency."""
+    rng = random.Random(seed)
+    cfg = SLAConfig(max_wait=1e9, aging_rate=rng.choice([0.0, 0.01, 0.5]), urgency_weight=rng.choice([0.0, 2.0, 20.0]))
+    policy = SLAPolicy(cfg)
+    queue = policy.make_waiting_queue()
+    now, n = 0.0, 0
+    for _ in range(40):
+        now += rng.choice([0.0, 0.02, 0.3, 2.0])
+        for _ in range(rng.randint(0, 8)):
+            hints = SchedulingHints(priority=rng.choice([0, 1]), ttft_slo=rng.choice([None, 0.5, 2.0, 30.0]),
+                                    deadline=rng.choice([None, None, 5.0]), tpot_slo=0.2)
+            r = Request(f"r{n}", [5] * rng.choice([10, 100, 300]), SamplingParams(max_tokens=rng.choice([10, 50])),
+                        arrival_time=now - rng.choice([0.0, 0.001 * n, rng.random() * 20]), eos_token_id=EOS,
+                        hints=hints)
+            if rng.random() < 0.2:
+                r.append_output_token(7, now=now - rng.random())  # due by its TPOT SLO
+            n += 1
+            queue.add(r)
+        policy.begin_step(now, queue, [])
+        for _ in range(rng.randint(0, 3)):
+            if not len(queue):
+                break
+            entries = [e for tenants in queue._classes for heaps in tenants.values() for e in heaps.entries()]
+
+            def score(e):
+                return (e.key + queue.urgency_scale * urgency(now, e.due, cfg.time_window)
+                        + queue.class_terms[priority_class(e.request.priority, cfg.num_priority_classes)])
+
+            best = max(entries, key=lambda e: (score(e), -e.seq))
+            popped = queue.pop()
+            assert popped is best.request
+            if rng.random() < 0.7:
+                queue.push_front(popped)
 
 
 def _flood(policy, steps: int = 120) -> Request:
