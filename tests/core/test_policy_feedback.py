@@ -1,7 +1,9 @@
 """The scheduler hands policies a step's feedback as columns (StepServed); the policies must
 decide exactly as they did from one ServedRequest record per request: the same steps, token for
 token, with the same preemptions and the same counters, over random workloads with chunked
-prefills, recompute preemptions, priorities, SLOs, deadlines and tenants."""
+prefills, recompute preemptions, priorities, SLOs, deadlines and tenants. Likewise `sla`'s
+victim search with its lower-bound shortcuts decides as the search that scores every running
+request."""
 
 from __future__ import annotations
 
@@ -29,6 +31,25 @@ class _SLAFromRecords(_FromRecords, SLAPolicy):
 
 class _VTCFromRecords(_FromRecords, VTCPolicy):
     pass
+
+
+class _CountingSLA(SLAPolicy):
+    """`sla` counting its exact victim searches."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.exact_searches = 0
+
+    def _exact_victim(self, running: Sequence[Request], now: float) -> Request:
+        self.exact_searches += 1
+        return super()._exact_victim(running, now)
+
+
+class _SLAExactVictims(_CountingSLA):
+    """The straightforward `sla`: every victim by every running request's score."""
+
+    def select_victim(self, running: Sequence[Request], now: float) -> Request:
+        return self._exact_victim(running, now)
 
 
 def _workload(seed: int) -> list[tuple[int, Request]]:
@@ -79,3 +100,17 @@ def test_columns_and_records_make_the_same_decisions(make, seed):
     assert stats == stats_from_records
     assert stats[1] is None or any(stats[1].values()), "tenants should be charged"
     assert any(preempted for _, preempted in columns), "the workload should preempt"
+
+
+@pytest.mark.parametrize("config", [SLAConfig(), SLAConfig(tenant_fairness=True),
+                                    SLAConfig(base_weight=1.0, preempt_margin=0.5)],
+                         ids=["defaults", "tenant-fairness", "urgency-across-levels"])
+@pytest.mark.parametrize("seed", range(6))
+def test_sla_victim_shortcuts_decide_as_the_exact_search(config, seed):
+    fast, exact = _CountingSLA(config), _SLAExactVictims(config)
+    fast_trace, (_, fast_counters) = _trace(fast, seed)
+    exact_trace, (_, exact_counters) = _trace(exact, seed)
+    assert fast_trace == exact_trace
+    assert fast_counters == exact_counters
+    assert any(preempted for _, preempted in fast_trace), "the workload should preempt"
+    assert fast.exact_searches < exact.exact_searches, "the shortcuts should skip some searches"

@@ -4,6 +4,7 @@ the wait bound, hysteresis and protection, deadline shedding, and no starvation 
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, reference_stream, step
 from tokenweir.config import EngineArgs
 from tokenweir.core.policies import SLAConfig, SLAPolicy, ServedRequest, VTCConfig, priority_class
-from tokenweir.core.policies.sla_score import sigmoid
+from tokenweir.core.policies.sla_score import sigmoid, urgency
 from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
 
 
@@ -32,15 +33,15 @@ def test_score_parts_are_the_hand_computed_terms():
     parts = policy.explain(r, 1.5)
     # load = 3 waiting / 4 unfinished = 0.75 -> adjustment 1 + (0.75 - 0.5) * 1 = 1.25
     assert parts.load_adjustment == pytest.approx(1.25)
-    assert parts.base == -2.0
+    assert parts.base == -20.0  # priority 2 x base_weight 10
     # Due at 1.0, now 1.5, window 1: half a window late, fading from 1 at the due time.
     assert parts.urgency == pytest.approx(2 / (1 + math.exp(0.5)))
     assert parts.urgency_term == pytest.approx(0.7550813 * 1.25 * 2.0, rel=1e-6)
     assert parts.resource == pytest.approx(math.log(20) / 10)
     assert parts.resource_term == pytest.approx(-0.1 * math.log(20) / 10)
-    assert parts.aging == pytest.approx(0.001 * 1.5)
+    assert parts.aging == pytest.approx(0.01 * 1.5)
     assert parts.fairness == 0.0 and parts.priority_class == 2 and not parts.aged
-    assert parts.total == pytest.approx(-2.0 + 1.8877033 - 0.0299573 + 0.0015, abs=1e-6)
+    assert parts.total == pytest.approx(-20.0 + 1.8877033 - 0.0299573 + 0.015, abs=1e-6)
     assert policy.score(r, 1.5) == pytest.approx(parts.total)
     assert policy.get_stats()["scores"]["r"] == parts
 
@@ -71,6 +72,33 @@ def test_a_class_served_below_its_demand_share_is_compensated():
     assert policy.fairness[:2] == [0.0, pytest.approx(1.0)]
     assert policy.explain(b, 0.0).fairness == pytest.approx(1.0)
     assert policy.get_stats()["class_served_share"][:2] == [1.0, 0.0]
+
+
+def test_by_default_a_priority_level_outranks_urgency_and_a_late_backlog_drains_before_max_wait():
+    cfg = SLAConfig()
+    most_urgency = cfg.urgency_weight * (1 + (1 - cfg.load_threshold) * cfg.load_sensitivity)
+    assert cfg.base_weight >= most_urgency + cfg.aging_rate * cfg.max_wait + cfg.fairness_factor
+    policy = SLAPolicy()
+    queue = policy.make_waiting_queue()
+    # A batch request at its due time, everything waiting (the largest load adjustment), and a
+    # fresh interactive request with slack to spare: the interactive one goes first.
+    batch = _req("batch", priority=1, ttft_slo=10.0, arrival=0.0)
+    inter = _req("inter", priority=0, ttft_slo=100.0, arrival=10.0)
+    queue.add(batch)
+    queue.add(inter)
+    policy.begin_step(10.0, queue, [])
+    assert policy.load_adjustment == 1.5
+    assert queue.pop() is inter
+    queue.remove(batch)
+    # Within a level, one that missed its SLO 400 s ago overtakes one at its due time (both
+    # below max_wait), so late requests do not pile up until the wait bound serves them first.
+    late = _req("late", priority=1, ttft_slo=1.0, arrival=0.0)
+    due = _req("due", priority=1, ttft_slo=10.0, arrival=400.0)
+    queue.add(late)
+    queue.add(due)
+    policy.begin_step(410.0, queue, [])
+    assert 410.0 < cfg.max_wait and policy.explain(due, 410.0).urgency == 1.0
+    assert queue.pop() is late
 
 
 def test_priority_classes_are_bounded():
@@ -115,6 +143,45 @@ def test_the_queue_pops_in_score_order_like_a_full_rescore(requests, now, tenant
             assert policy.score(popped, now) == pytest.approx(max(policy.score(r, now) for r in same_tenant), abs=1e-9)
         waiting.remove(popped)
     assert len(queue) == 0
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_queue_pops_exactly_the_best_entry_as_time_passes(seed):
+    """Against brute force over the queue's own terms, exactly (ties to the earliest put):
+    bursts of alike requests, late backlogs, decoding ones put back, pops put back, time moving
+    by steps and jumps; strong and no aging, strong and no urgency."""
+    rng = random.Random(seed)
+    cfg = SLAConfig(max_wait=1e9, aging_rate=rng.choice([0.0, 0.01, 0.5]), urgency_weight=rng.choice([0.0, 2.0, 20.0]))
+    policy = SLAPolicy(cfg)
+    queue = policy.make_waiting_queue()
+    now, n = 0.0, 0
+    for _ in range(40):
+        now += rng.choice([0.0, 0.02, 0.3, 2.0])
+        for _ in range(rng.randint(0, 8)):
+            hints = SchedulingHints(priority=rng.choice([0, 1]), ttft_slo=rng.choice([None, 0.5, 2.0, 30.0]),
+                                    deadline=rng.choice([None, None, 5.0]), tpot_slo=0.2)
+            r = Request(f"r{n}", [5] * rng.choice([10, 100, 300]), SamplingParams(max_tokens=rng.choice([10, 50])),
+                        arrival_time=now - rng.choice([0.0, 0.001 * n, rng.random() * 20]), eos_token_id=EOS,
+                        hints=hints)
+            if rng.random() < 0.2:
+                r.append_output_token(7, now=now - rng.random())  # due by its TPOT SLO
+            n += 1
+            queue.add(r)
+        policy.begin_step(now, queue, [])
+        for _ in range(rng.randint(0, 3)):
+            if not len(queue):
+                break
+            entries = [e for tenants in queue._classes for heaps in tenants.values() for e in heaps.entries()]
+
+            def score(e):
+                return (e.key + queue.urgency_scale * urgency(now, e.due, cfg.time_window)
+                        + queue.class_terms[priority_class(e.request.priority, cfg.num_priority_classes)])
+
+            best = max(entries, key=lambda e: (score(e), -e.seq))
+            popped = queue.pop()
+            assert popped is best.request
+            if rng.random() < 0.7:
+                queue.push_front(popped)
 
 
 def _flood(policy, steps: int = 120) -> Request:
@@ -179,7 +246,8 @@ def test_no_request_waits_past_the_bound_behind_younger_ones_and_none_starves(ar
 def test_a_request_preempted_k_times_is_protected_so_no_pair_takes_turns(k):
     """Two late interactive requests and batch ones fighting for one slot, with no margin at
     all: each is preempted for another at most k times, and all finish."""
-    policy = SLAPolicy(SLAConfig(preempt_margin=0.0, max_preemptions=k, urgency_weight=5.0, time_window=0.5))
+    policy = SLAPolicy(SLAConfig(base_weight=1.0, preempt_margin=0.0, max_preemptions=k, urgency_weight=5.0,
+                                  time_window=0.5))  # urgency outweighs a priority level here
     s = create_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=1, num_blocks=64)
     runner = PagedFakeRunner(s.block_size)
     reqs = [_req(f"r{i}", 6, 8, arrival=0.1 * i, ttft_slo=0.5, tpot_slo=0.2, priority=i % 2) for i in range(4)]

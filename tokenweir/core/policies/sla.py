@@ -19,6 +19,7 @@ import heapq
 import itertools
 import logging
 import math
+import operator
 from collections.abc import Sequence
 from typing import Optional
 
@@ -34,6 +35,9 @@ logger = logging.getLogger("tokenweir.sla")
 
 # How many requests' most recent score parts get_stats() keeps (the last admitted and victims).
 _EXPLAINED = 64
+# A lower bound of scores proves "no preemption" only with this to spare: the bound and the
+# exact score sum the same terms in another order, which may round the other way.
+_BOUND_SLACK = 1e-9
 
 
 class SLAPolicy(SchedulingPolicy):
@@ -56,6 +60,12 @@ class SLAPolicy(SchedulingPolicy):
         self._running_scores: dict[str, float] = {}  # this step's scores of running requests
         self._statics: dict[str, tuple[Request, float, int, float]] = {}  # see _static
         self._admitting: Optional[Request] = None  # popped this step, being admitted now
+        # Per class, at most the static key of every request that may be preemptible while
+        # running: every request enters running by a pop from this policy's queues, which
+        # lowers it; the running scan resets it. Leaving running, or becoming protected or
+        # aged, only raises the true minimum, so a stale value is still a lower bound.
+        self._key_floor = [math.inf] * n
+        self._first_scan = False  # the next scan sees every running request (see select_victim)
         self._deadlines: list[tuple[float, int, Request]] = []  # drop_expired: who expires when
         self._deadlines_kept = 0
         self._seq = itertools.count()
@@ -143,10 +153,17 @@ class SLAPolicy(SchedulingPolicy):
     def _on_popped(self, request: Request) -> None:
         """Explain the request whose turn it is (it may still fail to fit)."""
         self._admitting = request
+        self._first_scan = True
+        self._lower_key_floor(request)
         parts = self.explain(request, self._now)
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug("sla t=%.3f load=%.2f next %s: %s", self._now, self.load, request.request_id,
                          parts.as_dict())
+
+    def _lower_key_floor(self, request: Request) -> None:
+        _, key, cls, _ = self._static(request)
+        if key < self._key_floor[cls]:
+            self._key_floor[cls] = key
 
     def _running_score(self, request: Request, now: float) -> float:
         score = self._running_scores.get(request.request_id)
@@ -167,14 +184,29 @@ class SLAPolicy(SchedulingPolicy):
         skipped when a lower bound already shows that it can preempt nobody: a running request
         scores at least its static key plus its class's compensation plus, while decoding on
         time (its last token at most tpot_slo ago, no earlier deadline), the urgency at
-        tpot_slo from the due time, 2 * sigmoid(-tpot_slo / window). The
-        request returned then is the one with the lowest bound, which may_preempt refuses as it
-        would refuse every other. At 256 running this keeps the policy's cost per step low."""
+        tpot_slo from the due time, 2 * sigmoid(-tpot_slo / window). First, without looking at
+        the running requests, by the per-class key floor (one sum per class); then by a scan
+        of them. The request returned then is one that may_preempt refuses, as it would refuse
+        every other: with 256 running, a step that admits nobody costs the policy O(classes)."""
         admitting = self._admitting
         if admitting is not None and not self._is_aged(admitting, now):
-            victim, bound = self._lowest_bound(running)
-            if bound >= self.score(admitting, now) - self.config.preempt_margin:
+            cfg = self.config
+            threshold = self.score(admitting, now) - cfg.preempt_margin + _BOUND_SLACK
+            floor = min(map(operator.add, self._key_floor, self.fairness)) + cfg.aging_rate * now
+            if floor >= threshold:
+                return running[0]
+            # The scheduler's first call for an admission passes all running requests, later
+            # ones what is left once victims are chosen (who stay running if room is not made).
+            victim, bound = self._lowest_bound(running, reset_floor=self._first_scan)
+            if self._first_scan:  # the request being admitted may join them
+                self._first_scan = False
+                self._lower_key_floor(admitting)
+            if bound >= threshold:
                 return victim
+        return self._exact_victim(running, now)
+
+    def _exact_victim(self, running: Sequence[Request], now: float) -> Request:
+        """select_victim by every running request's score."""
         scores = self._running_scores
         self._score_running(running, now)
         k, horizon = self.config.max_preemptions, now - self.config.max_wait
@@ -196,16 +228,18 @@ class SLAPolicy(SchedulingPolicy):
                 r, static_key(r, cfg), priority_class(r.priority, cfg.num_priority_classes), floor)
         return static
 
-    def _lowest_bound(self, running: Sequence[Request]) -> tuple[Request, float]:
+    def _lowest_bound(self, running: Sequence[Request], reset_floor: bool) -> tuple[Request, float]:
         """The running request with the lowest lower bound of its score now, among those a
         waiting request that is not aged may preempt (neither protected nor aged; with none,
-        an infinite bound)."""
+        an infinite bound). With `reset_floor` (`running` is every running request) the
+        per-class key floor becomes theirs."""
         cfg = self.config
         scale, fairness, statics = cfg.urgency_weight * self.load_adjustment, self.fairness, self._statics
         k = cfg.max_preemptions
         lowest, victim = math.inf, running[0]
         now = self._now
         horizon = now - cfg.max_wait
+        key_floor = [math.inf] * cfg.num_priority_classes if reset_floor else self._key_floor
         for r in running:
             if r.num_preemptions >= k or r.arrival_time <= horizon:
                 continue  # may_preempt refuses these
@@ -213,6 +247,8 @@ class SLAPolicy(SchedulingPolicy):
             if static is None or static[0] is not r:
                 static = self._static(r)
             _, key, cls, floor = static
+            if key < key_floor[cls]:
+                key_floor[cls] = key
             bound = key + fairness[cls]
             if floor and r.first_token_time is not None:
                 h = r.hints
@@ -221,6 +257,7 @@ class SLAPolicy(SchedulingPolicy):
                     bound += scale * floor  # |now - due| <= tpot_slo
             if bound < lowest:
                 lowest, victim = bound, r
+        self._key_floor = key_floor
         return victim, lowest + cfg.aging_rate * self._now
 
     def _score_running(self, running: Sequence[Request], now: float) -> None:

@@ -4,13 +4,12 @@ A score (sla_score.py) is `static_key + aging_rate * now + A * urgency + class t
 static key does not change while a request waits, A = urgency_weight * load_adjustment is the
 same for every request at one time, and urgency depends on the request's due time (fixed while
 it waits): it grows as the due time nears and fades after it. So within one class the best
-request is found with Fagin's threshold algorithm over three heaps, by static key, by due time
-(not yet due, earliest first) and by due time (past, latest first): walk them in order, score
-what is seen exactly, stop once nothing unseen can beat the best. Requests of one kind (alike SLOs
-and priorities) arrive in both orders alike, so the walk stops after a few entries; the cost
-is then one heap pass per class per pop, not one score per waiting request.
+request is found with Fagin's threshold algorithm over heaps by a static value and by due time
+(see _ScoredHeaps): walk them in order, score what is seen exactly, stop once nothing unseen
+can beat the best. The cost is then a few heap operations per class per pop, not one score per
+waiting request.
 
-Classes are the priority classes; with tenant fairness each class holds one such pair of heaps
+Classes are the priority classes; with tenant fairness each class holds one such set of heaps
 per tenant and takes the tenant VTC says is furthest behind. Requests that have waited
 `max_wait` leave the heaps for the aged FIFO, served before everything else.
 """
@@ -37,25 +36,49 @@ class _Entry:
     key: float  # static_key
     due: float  # due_time, inf without an SLO
     seq: int
+    shifted: float = 0.0  # key + aging_rate * due (with a due time)
     alive: bool = True
+    seen: int = -1  # the walk of best() that last scored it
+
+
+_Item = tuple[float, int, _Entry]
+# A walk stops only with this much (relative) to spare: its bound sums the score's terms in
+# another order than the score itself, which may round the other way.
+_SLACK = 1e-9
 
 
 class _ScoredHeaps:
-    """One class's (or one tenant's in a class) waiting requests, best score found by TA over
-    three orders: static key (largest first); due time for requests not yet due (earliest
-    first: urgency grows towards the due time); due time for requests past it (latest first:
-    urgency fades after it). Each entry with a due time is in exactly one of the last two."""
+    """One class's (or one tenant's in a class) waiting requests, best score found by TA.
+
+    With a due time, score = key + scale * urgency(due) = shifted + f(due), shifted = key +
+    aging_rate * due (fixed while waiting) and f(due) = scale * urgency(due) - aging_rate * due
+    (the same function for every entry at one time). f is convex on each side of `now` (the
+    sigmoid is convex below 0) and falls with due after `now`, so over any range of due times
+    it is largest at an end: the unseen entries not yet due score at most f(the earliest of
+    them), the unseen late ones at most f(the latest or the oldest of them). The walk takes,
+    round by round, the next entry of four orders, shifted (largest first), pending due times
+    (earliest first), late due times (latest first, and oldest first), scoring each once,
+    and stops when nothing unseen can beat the best: largest unseen shifted + the largest f
+    at the unseen ends. Requests of one kind have nearly one shifted value (aging cancels
+    against the due time), so the walk ends after a few rounds even in a burst of close due
+    times or a backlog of late requests. Without a due time the score is the key: the
+    largest key is the best of those."""
 
     def __init__(self) -> None:
-        self.by_key: list[tuple[float, int, _Entry]] = []  # (-key, ...)
-        self.pending: list[tuple[float, int, _Entry]] = []  # (due, ...), due > now when last moved
-        self.late: list[tuple[float, int, _Entry]] = []  # (-due, ...)
+        self.by_key: list[_Item] = []  # (-key, ...) of entries without a due time
+        self.by_shifted: list[_Item] = []  # (-shifted, ...) of entries with one
+        self.pending: list[_Item] = []  # (due, ...), due > now when last moved
+        self.late: list[_Item] = []  # (-due, ...)
+        self.late_oldest: list[_Item] = []  # (due, ...): the same entries as late
         self.live = 0
         self._dead = 0
+        self._walks = itertools.count()
 
     def add(self, entry: _Entry) -> None:
-        heapq.heappush(self.by_key, (-entry.key, entry.seq, entry))
-        if entry.due != math.inf:
+        if entry.due == math.inf:
+            heapq.heappush(self.by_key, (-entry.key, entry.seq, entry))
+        else:
+            heapq.heappush(self.by_shifted, (-entry.shifted, entry.seq, entry))
             heapq.heappush(self.pending, (entry.due, entry.seq, entry))
         self.live += 1
 
@@ -64,7 +87,7 @@ class _ScoredHeaps:
         self.live -= 1
         self._dead += 1
         if self._dead > self.live + 64:  # drop dead entries now and then
-            for name in ("by_key", "pending", "late"):
+            for name in ("by_key", "by_shifted", "pending", "late", "late_oldest"):
                 heap = [e for e in getattr(self, name) if e[2].alive]
                 heapq.heapify(heap)
                 setattr(self, name, heap)
@@ -76,45 +99,49 @@ class _ScoredHeaps:
             due, seq, entry = heapq.heappop(pending)
             if entry.alive:
                 heapq.heappush(self.late, (-due, seq, entry))
+                heapq.heappush(self.late_oldest, (due, seq, entry))
 
-    @staticmethod
-    def _pop_alive(heap: list[tuple[float, int, _Entry]], taken: list[tuple[float, int, _Entry]]) -> Optional[tuple[float, int, _Entry]]:
-        while heap:
-            item = heapq.heappop(heap)
-            if item[2].alive:
-                taken.append(item)
-                return item
-        return None
-
-    def best(self, now: float, scale: float, window: float) -> tuple[float, _Entry]:
+    def best(self, now: float, scale: float, window: float, aging: float) -> tuple[float, _Entry]:
         """(score without the terms common to the class, entry) of the best live entry:
-        key + scale * urgency(now, due)."""
+        key + scale * urgency(now, due), ties to the earliest put."""
         self._advance(now)
-        taken: tuple[list, list, list] = ([], [], [])
-        heaps = (self.by_key, self.pending, self.late)
         best_score, best_entry = -math.inf, None
+        by_key = self.by_key
+        while by_key and not by_key[0][2].alive:
+            heapq.heappop(by_key)
+        if by_key:
+            best_score, best_entry = -by_key[0][0], by_key[0][2]
+        heaps = (self.by_shifted, self.pending, self.late, self.late_oldest)
+        taken: tuple[list[_Item], ...] = ([], [], [], [])
+        walk = next(self._walks)
         try:
             while True:
-                k_item = self._pop_alive(self.by_key, taken[0])
-                if k_item is None:
-                    break
-                p_item = self._pop_alive(self.pending, taken[1]) if scale else None
-                l_item = self._pop_alive(self.late, taken[2]) if scale else None
-                # Nothing unseen has a larger key; an unseen pending entry is due no sooner
-                # than the last pending one seen, an unseen late one no later than the last
-                # late one seen: its urgency is at most theirs (their due times are their
-                # heap keys, so their urgencies are computed once, here).
-                bound = 0.0
-                for item in (k_item, p_item, l_item):
-                    if item is not None:
+                for heap, items in zip(heaps, taken):
+                    while heap:
+                        item = heapq.heappop(heap)
                         e = item[2]
-                        u = urgency(now, e.due, window)
-                        s = e.key + scale * u
-                        if s > best_score or (s == best_score and e.seq < best_entry.seq):
-                            best_score, best_entry = s, e
-                        if item is not k_item and u > bound:
-                            bound = u
-                if best_score >= -k_item[0] + scale * bound:
+                        if not e.alive:
+                            continue
+                        items.append(item)
+                        if e.seen != walk:
+                            e.seen = walk
+                            s = e.key + scale * urgency(now, e.due, window)
+                            if s > best_score or (s == best_score and e.seq < best_entry.seq):
+                                best_score, best_entry = s, e
+                        break
+                # Heads left (dead ones too) bound what is unseen: see the class docstring.
+                if not heaps[0]:
+                    break
+                ends = []
+                if self.pending:
+                    ends.append(self.pending[0][0])
+                if self.late and self.late_oldest:  # unseen late ones are left in both
+                    ends.append(-self.late[0][0])
+                    ends.append(self.late_oldest[0][0])
+                if not ends:
+                    break
+                bound = -heaps[0][0][0] + max(scale * urgency(now, due, window) - aging * due for due in ends)
+                if best_score >= bound + _SLACK * (1.0 + abs(bound)):
                     break
         finally:
             for heap, items in zip(heaps, taken):
@@ -124,7 +151,8 @@ class _ScoredHeaps:
         return best_score, best_entry
 
     def entries(self) -> Iterator[_Entry]:
-        return (item[2] for item in self.by_key if item[2].alive)
+        for heap in (self.by_key, self.by_shifted):
+            yield from (item[2] for item in heap if item[2].alive)
 
 
 class SLAQueue(RequestQueue):
@@ -161,7 +189,8 @@ class SLAQueue(RequestQueue):
         if self.now - request.arrival_time >= self.cfg.max_wait:
             self._aged.appendleft(request) if front else self._aged.append(request)
             return
-        entry = _Entry(request, static_key(request, self.cfg), due_time(request), next(self._seq))
+        key, due = static_key(request, self.cfg), due_time(request)
+        entry = _Entry(request, key, due, next(self._seq), key + self.cfg.aging_rate * due if due != math.inf else key)
         self._entries[request.request_id] = entry
         self._heaps(request).add(entry)
         heapq.heappush(self._by_arrival, (request.arrival_time, entry.seq, entry))
@@ -231,7 +260,7 @@ class SLAQueue(RequestQueue):
                 heaps = tenants[self.counters.min_backlogged(among=tenants)]
             else:
                 heaps = next(iter(tenants.values()))
-            score, entry = heaps.best(now, scale, cfg.time_window)
+            score, entry = heaps.best(now, scale, cfg.time_window, cfg.aging_rate)
             score += self.class_terms[cls]
             if best_entry is None or score > best_score:
                 best_score, best_entry = score, entry

@@ -22,10 +22,25 @@ Higher scores are served first and preempted last:
   served_c < 0.8 * expected_c, else 0; served_c is the class's share of the tokens computed and
   expected_c its share of the tokens asked for, both decayed over `fairness_window` seconds.
 - aging grows the score of every request alike, so it keeps order among requests of one kind
-  and lets an old request overtake newer, more important ones; in addition a request that has
-  waited `max_wait` seconds is served before every request that has not, oldest first: that
-  bounds every wait, whatever the weights and priorities (a hard guarantee the sum of bounded
-  terms cannot give when priorities span 2**32).
+  and lets an old request overtake newer ones; in addition a request that has waited
+  `max_wait` seconds is served before every request that has not, oldest first, and is not
+  preempted for a younger one: that bounds every wait, whatever the weights and priorities (a
+  hard guarantee the sum of bounded terms cannot give when priorities span 2**32).
+
+The defaults order the terms so that each does one job. U = urgency_weight x the largest load
+adjustment (1 + (1 - load_threshold) x load_sensitivity) is the most urgency can add (3).
+- One priority level (base_weight 10) is worth U plus aging over max_wait plus the largest
+  class compensation (3 + 6 + 1): below max_wait, priority is a strict order as in `priority`,
+  and a more important request preempts a less important one at once (preempt_margin < one
+  level). With a smaller base_weight, urgency and compensation trade across levels: a batch
+  request at its due time then outranks a fresh interactive one, and interactive requests miss
+  their SLOs under overload for batch requests that mostly miss theirs anyway.
+- Within a level, urgency orders requests by their due times, serving first those that can
+  still meet their SLO; aging (0.01/s) lets a request that has missed it overtake on-time ones
+  after U / aging_rate = max_wait / 2 of extra waiting, so a late backlog drains oldest first
+  before it reaches max_wait. Requests that reach max_wait outrank every level: the weaker the
+  aging, the more of them there are under sustained overload, each taking a slot from the most
+  important requests.
 
 Requests are grouped into `num_priority_classes` classes (priority clamped to [0, n-1]): the
 unit of fairness compensation and of the per-class metrics, so label cardinality is bounded.
@@ -49,7 +64,7 @@ _SIGMOID_CLAMP = 60.0
 
 @dataclass(frozen=True)
 class SLAConfig(PolicyConfig):
-    base_weight: float = 1.0  # score per priority level
+    base_weight: float = 10.0  # score per priority level: more than every other term (see above)
     urgency_weight: float = 2.0  # the urgency term at the due time (load adjustment 1)
     time_window: float = 1.0  # seconds: the sigmoid's scale (one window from due: urgency 0.54)
     resource_weight: float = 0.1
@@ -58,15 +73,14 @@ class SLAConfig(PolicyConfig):
     load_sensitivity: float = 1.0
     fairness_factor: float = 1.0
     fairness_window: float = 30.0  # seconds over which class shares decay
-    # Score per second waited (one priority level per 1000 s): a tie-breaker among equals. A
-    # strong rate lets a backlog of old low-priority requests outrank every new important one
-    # under sustained overload; the wait bound is max_wait's job.
-    aging_rate: float = 0.001
+    # Score per second waited: a request late by max_wait / 2 more than an on-time one of its
+    # level outranks it (U / aging_rate = 300 s); not a priority level before max_wait.
+    aging_rate: float = 0.01
     max_wait: float = 600.0  # seconds: after this a request is served before all younger ones
     # A waiting request preempts only a victim scored this much lower: about the urgency swing
     # between two requests of one kind, one at its due time and one on time (urgency_weight *
-    # (1 - 0.5) * load adjustment up to 1.5), so that a late request displaces a less important
-    # one, rarely one of its own kind.
+    # (1 - 0.5) * load adjustment up to 1.5), so that a request displaces a less important one
+    # at once (less than one level) and one of its own kind rarely.
     preempt_margin: float = 1.5
     max_preemptions: int = 2  # k: a request preempted k times is not preempted for another
     drop_expired: bool = False  # finish requests whose deadline has passed (overload shedding)

@@ -1,0 +1,129 @@
+"""`sla` and `vtc` on the real engine: `tokenweir bench serve --slo-mix` against `tokenweir serve`.
+
+(a) Overload: the capacity of `tokenweir serve --scheduling-policy fcfs` at this shape is
+measured first (every request sent at once), then the 30% interactive + 70% batch mix is sent
+at --load x that rate to a fresh server per policy (fcfs, priority, sla). (b) Two tenants, one
+sending --heavy-ratio x the other's requests (request body `tenant`), under fcfs and vtc at
+the same rate. Writes docs/benchmarks/sla_serving.json and prints the per-class tables.
+
+    flock -x /work/notes/cpu.lock .venv/bin/python benchmarks/sla_serving.py [--num-prompts 240]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from serving import parse_bench_args, wait_ready, warm_up  # benchmarks/serving.py
+
+from tokenweir.bench import serve as bench_serve
+from tokenweir.bench.slo_mix import format_class_table
+from tokenweir.model.gguf_conversion import ensure_hf_folder
+from tokenweir.model.loader import default_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "benchmarks"
+BIN = Path(sys.executable).parent
+OVERLOAD_MIX = ["interactive:0.3:priority=0:ttft=2000:tpot=250", "batch:0.7:priority=1:ttft=60000:tpot=1000"]
+
+
+def tenant_mix(heavy_ratio: float) -> list[str]:
+    return [f"heavy:{heavy_ratio:g}:tenant=heavy", "light:1:tenant=light"]
+
+
+def workload_args(ns: argparse.Namespace, base_url: str, tokenizer: str, num_prompts: int, rate: float,
+                  seed: int, mix: list[str]) -> list[str]:
+    args = ["--base-url", base_url, "--dataset-name", "random", "--num-prompts", str(num_prompts),
+            "--random-input-len", "256", "--random-output-len", "64", "--random-range-ratio", "0.5",
+            "--ignore-eos", "--tokenizer", tokenizer, "--seed", str(seed), "--request-rate", str(rate)]
+    return args + (["--slo-mix", *mix] if mix else [])
+
+
+class Server:
+    """`tokenweir serve` (the default model) with one scheduling policy, for a `with` block."""
+
+    def __init__(self, policy: str, ns: argparse.Namespace) -> None:
+        self.command = [str(BIN / "tokenweir"), "serve", "--port", str(ns.port), "--disable-uvicorn-access-log",
+                        "--max-num-seqs", str(ns.max_num_seqs), "--scheduling-policy", policy]
+        self.base_url = f"http://127.0.0.1:{ns.port}"
+        self.log_path = Path(tempfile.gettempdir()) / f"tokenweir-sla-serving-{policy}.log"
+        self.ready_timeout = ns.ready_timeout
+
+    def __enter__(self) -> Server:
+        print("server:", " ".join(self.command), "log:", self.log_path, file=sys.stderr)
+        self.log = open(self.log_path, "w")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+        try:
+            wait_ready(self.base_url, self.proc, self.ready_timeout)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def run(server: Server, ns: argparse.Namespace, tokenizer: str, num_prompts: int, rate: float, seed: int,
+        mix: list[str]) -> dict:
+    result = bench_serve.main(parse_bench_args(workload_args(ns, server.base_url, tokenizer, num_prompts, rate,
+                                                             seed, mix)))
+    keep = {k: v for k, v in result.items() if not isinstance(v, list)}
+    keep["errors"] = sorted({e for e in result["errors"] if e})
+    return keep
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-prompts", type=int, default=240)
+    parser.add_argument("--capacity-prompts", type=int, default=64)
+    parser.add_argument("--load", type=float, default=1.5, help="request rate as a multiple of the capacity")
+    parser.add_argument("--heavy-ratio", type=float, default=10.0)
+    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--ready-timeout", type=float, default=600)
+    ns = parser.parse_args()
+    tokenizer = ensure_hf_folder(default_model_path())
+    report: dict = {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, CPython "
+                               f"{platform.python_version()}, 2 cores shared with other work",
+                    "args": vars(ns), "overload": {}, "tenants": {}}
+    for policy in ("fcfs", "priority", "sla"):
+        with Server(policy, ns) as server:
+            warm_up(server.base_url, tokenizer, ignore_eos=True)
+            if "capacity_req_s" not in report:
+                capacity = run(server, ns, tokenizer, ns.capacity_prompts, float("inf"), ns.seed + 100, [])
+                report["capacity_req_s"] = capacity["request_throughput"]
+                report["rate_req_s"] = round(ns.load * capacity["request_throughput"], 3)
+                print(f"capacity {report['capacity_req_s']:.2f} req/s -> rate {report['rate_req_s']} req/s",
+                      file=sys.stderr)
+            result = run(server, ns, tokenizer, ns.num_prompts, report["rate_req_s"], ns.seed, OVERLOAD_MIX)
+            report["overload"][policy] = result
+            print(f"== overload, {policy}\n{format_class_table(result['slo_classes'])}", file=sys.stderr)
+    for policy in ("fcfs", "vtc"):
+        with Server(policy, ns) as server:
+            warm_up(server.base_url, tokenizer, ignore_eos=True)
+            result = run(server, ns, tokenizer, ns.num_prompts, report["rate_req_s"], ns.seed + 1,
+                         tenant_mix(ns.heavy_ratio))
+            report["tenants"][policy] = result
+            print(f"== tenants, {policy}\n{format_class_table(result['slo_classes'])}", file=sys.stderr)
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "sla_serving.json").write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""`sla` and `vtc` in the simulator (SIMULATED: the shipped CPU profile of SmolLM2-135M, the real
+Scheduler): the overload mix and the two tenants of docs/benchmarks/sla.md over several seeds
+and rates.
+
+The capacity at this shape is measured first (fcfs, every request sent at once); each rate is a
+multiple of it. (a) 30% interactive + 70% batch under fcfs, priority and sla (and sla with the
+defaults of the previous session, for comparison); (b) two tenants, one sending 10x the
+other's requests, under fcfs and vtc. Writes docs/benchmarks/sla_sim.json and prints markdown.
+
+    .venv/bin/python benchmarks/sla_sim.py [--loads 1.5 2 3] [--seeds 1 2 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "benchmarks"
+WORKLOAD = ["--num-prompts", "3000", "--random-input-len", "256", "--random-output-len", "64",
+            "--random-range-ratio", "0.5", "--max-num-seqs", "32", "--no-wall-time"]
+OVERLOAD_MIX = ["interactive:0.3:priority=0:ttft=2000:tpot=250", "batch:0.7:priority=1:ttft=60000:tpot=1000"]
+TENANT_MIX = ["heavy:10:tenant=heavy", "light:1:tenant=light"]
+# The defaults before base_weight 10 and aging_rate 0.01 (docs/benchmarks/sla.md says why).
+POLICIES = {"fcfs": ["--scheduling-policy", "fcfs"], "priority": ["--scheduling-policy", "priority"],
+            "sla": ["--scheduling-policy", "sla"],
+            "sla (old defaults)": ["--scheduling-policy", "sla", "--sla-base-weight", "1", "--sla-aging-rate", "0.001"]}
+
+
+def simulate(flags: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "result.json"
+        subprocess.run([sys.executable, "-m", "tokenweir.cli", "simulate", *WORKLOAD, *flags,
+                        "--result-filename", str(path)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        return json.loads(path.read_text())
+
+
+def summary(result: dict) -> dict:
+    keep = {k: result[k] for k in ("request_rate", "seed", "duration", "completed", "failed", "num_preemptions",
+                                   "profile")}
+    keep["classes"] = result.get("slo_classes", {})
+    return keep
+
+
+def pct(values: list[float]) -> str:
+    lo, hi, mean = min(values), max(values), sum(values) / len(values)
+    return f"{mean:.1%} ({lo:.1%}-{hi:.1%})" if len(values) > 1 else f"{mean:.1%}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loads", type=float, nargs="+", default=[1.5, 2.0, 3.0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    ns = parser.parse_args()
+    capacity = simulate(["--scheduling-policy", "fcfs", "--request-rate", "inf", "--seed", "1"])["request_throughput"]
+    report: dict = {"simulated": True, "capacity_req_s": capacity, "overload": [], "tenants": []}
+    for load in ns.loads:
+        rate = f"{load * capacity:.2f}"
+        for seed in ns.seeds:
+            for name, flags in POLICIES.items():
+                result = simulate([*flags, "--request-rate", rate, "--seed", str(seed), "--slo-mix", *OVERLOAD_MIX])
+                report["overload"].append({"policy": name, "load": load, **summary(result)})
+    for seed in ns.seeds:
+        for policy in ("fcfs", "vtc"):
+            result = simulate(["--scheduling-policy", policy, "--request-rate", f"{1.5 * capacity:.2f}",
+                               "--seed", str(seed), "--slo-mix", *TENANT_MIX])
+            report["tenants"].append({"policy": policy, "load": 1.5, **summary(result)})
+    report["profile"] = report["overload"][0]["profile"]
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "sla_sim.json").write_text(json.dumps(report, indent=2))
+
+    print(f"capacity {capacity:.2f} req/s; mean over seeds {ns.seeds} (min-max)\n")
+    print("| load | policy | inter. SLO met | inter. TTFT met | inter. goodput (req/s) | batch SLO met "
+          "| batch finished | longest batch E2E (s) | preemptions |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for load in ns.loads:
+        for name in POLICIES:
+            runs = [r for r in report["overload"] if r["policy"] == name and r["load"] == load]
+            inter = [r["classes"]["interactive"] for r in runs]
+            batch = [r["classes"]["batch"] for r in runs]
+            print(f"| x{load:g} | {name} | {pct([c['slo_attainment'] for c in inter])} "
+                  f"| {pct([c['ttft_attainment'] for c in inter])} "
+                  f"| {sum(c['goodput'] for c in inter) / len(inter):.3f} | {pct([c['slo_attainment'] for c in batch])} "
+                  f"| {sum(c['completed'] for c in batch)}/{sum(c['requests'] for c in batch)} "
+                  f"| {max(c['max_e2el_ms'] for c in batch) / 1e3:.0f} "
+                  f"| {sum(r['num_preemptions'] for r in runs) / len(runs):.0f} |")
+    print("\n| policy | seed | light share of tokens | heavy share | light p50 TTFT (s) | light longest E2E (s) "
+          "| heavy p50 TTFT (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for r in report["tenants"]:
+        light, heavy = r["classes"]["light"], r["classes"]["heavy"]
+        print(f"| {r['policy']} | {r['seed']} | {light['output_token_share']:.1%} | {heavy['output_token_share']:.1%} "
+              f"| {light['median_ttft_ms'] / 1e3:.1f} | {light['max_e2el_ms'] / 1e3:.0f} "
+              f"| {heavy['median_ttft_ms'] / 1e3:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
