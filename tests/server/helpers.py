@@ -53,3 +53,29 @@ def slow_down_steps(core: Any, monkeypatch: pytest.MonkeyPatch, seconds: float) 
         return schedule()
 
     monkeypatch.setattr(core, "schedule", slow_schedule)
+
+
+async def cancel_adds_before_their_acks(engine: Any, num_adds: int = 20) -> None:
+    """While a request streams, start adds and cancel each before the engine acknowledges it:
+    the add and its abort reach the engine loop in one command batch. Then reuse an id."""
+    import asyncio
+    import contextlib
+
+    from tokenweir.request import SamplingParams
+
+    busy = await engine.add_request("busy", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+    await busy.__anext__()
+    for i in range(num_adds):
+        task = asyncio.ensure_future(engine.add_request(f"c{i}", [5, 6], SamplingParams(max_tokens=5)))
+        await asyncio.sleep(0)  # submitted; now waiting for its ack
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    await busy.aclose()
+    for _ in range(500):  # the aborts' final outputs end the streams
+        if not engine._active:
+            break
+        await asyncio.sleep(0.01)
+    assert engine._active == {}, sorted(engine._active)
+    reused = await engine.add_request("c0", [5, 6], SamplingParams(max_tokens=2))
+    assert [o async for o in reused][-1].finished

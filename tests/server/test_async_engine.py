@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from tests.engine.helpers import FailsOnce
 from tests.hf_reference import hf_greedy
 from tests.server.conftest import MAX_MODEL_LEN, assert_engine_clean, hold_calls, make_engine, wait_until
-from tests.server.helpers import MODEL, slow_down_steps
+from tests.server.helpers import MODEL, cancel_adds_before_their_acks, slow_down_steps
 from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine.client import EngineDeadError, RequestFailedError
 from tokenweir.engine.client import EngineClient, ModelInfo
@@ -199,3 +199,10 @@ def test_shutdown_fails_streams_and_later_calls(tiny_model_dir, make_server):
     response = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"})
     assert response.status_code == 503 and "Retry-After" in response.headers
     assert response.json()["error"]["code"] == "engine_dead"
+
+
+def test_an_add_cancelled_before_its_ack_leaves_nothing(clean, monkeypatch):
+    """The add and its abort in one command batch: the request is accepted before the abort's
+    final output, which ends its stream (before the fix its stream and id stayed taken)."""
+    slow_down_steps(clean.core, monkeypatch, 0.05)  # the adds and aborts queue up during a step
+    asyncio.run(cancel_adds_before_their_acks(clean))

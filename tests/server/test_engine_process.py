@@ -17,7 +17,7 @@ import pytest
 
 from tests.hf_reference import hf_greedy
 from tests.server.conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, ServerThread, wait_until
-from tests.server.helpers import MODEL
+from tests.server.helpers import MODEL, cancel_adds_before_their_acks
 from tokenweir.config import EngineArgs
 from tokenweir.engine.client import EngineClient, EngineDeadError, ModelInfo
 from tokenweir.engine.core_process import MPAsyncLLMEngine
@@ -188,3 +188,44 @@ def test_outputs_equal_the_in_process_engines_with_logprobs_seeds_and_stop_strin
     for outs in in_engine_process:  # cumulative: each output extends the one before
         for before, after in zip(outs, outs[1:]):
             assert after.outputs[0].token_ids[:len(before.outputs[0].token_ids)] == before.outputs[0].token_ids
+
+
+def test_an_add_cancelled_before_its_ack_leaves_nothing(clean):
+    asyncio.run(cancel_adds_before_their_acks(clean))
+
+
+def test_the_event_loop_never_waits_for_a_busy_engine_to_read_its_commands(clean):
+    """The engine reads commands between steps: while it is busy (stopped here), commands larger
+    than the pipe's buffer must not block the event loop. The loop itself resumes the engine
+    once its adds are submitted; had it blocked writing them, only the watchdog would."""
+    import threading
+
+    pid = clean.process.pid
+    watchdog_fired = threading.Event()
+
+    def watchdog() -> None:
+        if not resumed.wait(30):
+            watchdog_fired.set()
+            os.kill(pid, signal.SIGCONT)
+
+    resumed = threading.Event()
+    big_text = "x" * 200_000  # carried with the command: several of them overflow a pipe buffer
+
+    async def run():
+        os.kill(pid, signal.SIGSTOP)
+        threading.Thread(target=watchdog, daemon=True).start()
+        tasks = [asyncio.ensure_future(collect_with_text(clean, f"big{i}", big_text)) for i in range(4)]
+        for _ in range(10):
+            await asyncio.sleep(0)
+        os.kill(pid, signal.SIGCONT)
+        resumed.set()
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    assert not watchdog_fired.is_set(), "the event loop blocked while the engine was busy"
+    assert all(outs[-1].finished for outs in results)
+
+
+async def collect_with_text(engine, request_id, prompt_text):
+    outputs = await engine.add_request(request_id, [5, 6, 7], GREEDY, prompt_text=prompt_text)
+    return [out async for out in outputs]

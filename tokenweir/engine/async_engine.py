@@ -290,9 +290,14 @@ class AsyncLLMEngine:
                 if quiet:
                     return
                 raise EngineDeadError(f"the engine is not running: {self._dead}") from self._dead
-            if pending is not None:
+            if pending is not None:  # before the command: its ack may come at once
                 self._pending[pending[0].request_id] = pending
-            self._send(command)
+            try:
+                self._send(command)
+            except BaseException:
+                if pending is not None:
+                    self._pending.pop(pending[0].request_id, None)
+                raise
 
     def _send(self, command: Command) -> None:
         """Hand a command to the engine loop (called under the submit lock)."""

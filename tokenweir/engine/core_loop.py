@@ -81,12 +81,7 @@ class CoreLoop:
             idle = not core.has_unfinished_requests()
             if idle and self.step_trace is not None:
                 self.step_trace.went_idle()
-            acks, shutdown = self._handle(next_commands(idle))
-            # Stats first, acks second: the server counts an add as waiting until its ack, so
-            # the sum it reads never misses a request.
-            self._publish_stats()
-            for request_id, error in acks:
-                self.sink.on_accepted(request_id, error)
+            shutdown = self._handle(next_commands(idle))
             self.flush()
             if shutdown:
                 return
@@ -102,18 +97,34 @@ class CoreLoop:
         self._publish_stats()
         self.flush()
 
-    def _handle(self, commands: list[Command]) -> tuple[list[tuple[str, Optional[BaseException]]], bool]:
+    def _handle(self, commands: list[Command]) -> bool:
+        """Run the commands in order; returns whether one was a shutdown."""
         acks: list[tuple[str, Optional[BaseException]]] = []
+        shutdown = False
         for command in commands:
             if isinstance(command, ShutdownCommand):
-                return acks, True
+                shutdown = True
+                break
             if isinstance(command, AddCommand):
                 acks.append((command.request_id, self._add(command)))
-            else:
-                now = self.core.clock()
-                for output in self.core.abort_requests([command.request_id]):
-                    self.sink.on_output(output, now)
-        return acks, False
+                continue
+            # An abort may be for a request added in this same batch (its caller gave up while
+            # waiting for the ack): the front must know the request before its final output.
+            if acks:
+                self._accept(acks)
+                acks = []
+            now = self.core.clock()
+            for output in self.core.abort_requests([command.request_id]):
+                self.sink.on_output(output, now)
+        self._accept(acks)
+        return shutdown
+
+    def _accept(self, acks: list[tuple[str, Optional[BaseException]]]) -> None:
+        # Stats first, acks second: the server counts an add as waiting until its ack, so the
+        # sum it reads never misses a request.
+        self._publish_stats()
+        for request_id, error in acks:
+            self.sink.on_accepted(request_id, error)
 
     def _add(self, command: AddCommand) -> Optional[BaseException]:
         try:

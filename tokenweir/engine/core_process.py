@@ -6,7 +6,9 @@ thread, at every token. In its own process the engine loop (engine/core_loop.py,
 the in-process engine thread runs) owns its interpreter; the server's process keeps the front
 (streams, metrics, the stats log) and talks to it through two pipes:
 
-- commands (add, abort, shutdown) from the event loop, pickled under the front's submit lock;
+- commands (add, abort, shutdown) from the event loop, pickled there (so a bad one fails its
+  caller) and written by a sender thread: the engine reads commands only between steps, and a
+  pipe full of them must not block the event loop for a step;
 - the sink's calls from the engine, batched by the loop at its flush points (after a command
   batch, once a step has scheduled, after a step), replayed by one reader thread onto the front
   in order, so the front sees exactly what an in-process engine thread would have told it.
@@ -20,11 +22,13 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import queue
 import signal
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Optional
 
 from tokenweir.config import EngineArgs
@@ -37,11 +41,6 @@ from tokenweir.engine.output_delta import OutputDelta, OutputDeltaDecoder, Outpu
 
 logger = logging.getLogger("tokenweir")
 
-# The front's methods the engine process may call, and nothing else.
-SINK_METHODS = frozenset({"on_accepted", "on_output", "on_expired", "on_failed", "on_iteration",
-                          "on_waiting", "on_stats"})
-
-
 @dataclass
 class EngineInfo:
     """What the server's process learns from the engine process once the model is loaded."""
@@ -49,7 +48,6 @@ class EngineInfo:
     model_info: ModelInfo
     tokenizer: Any
     max_num_batched_tokens: int
-    describe: dict  # EngineCore.describe(), for a step trace's header
     stats: SchedulerStats
 
 
@@ -67,11 +65,18 @@ class _ShippingSink:
         self.conn = conn
         self.calls: list[tuple[str, tuple]] = []
         self.deltas = OutputDeltaEncoder()
+        self.server_gone = False
 
     def flush(self) -> None:
         if self.calls:
             calls, self.calls = self.calls, []
-            self.conn.send(calls)
+            if self.server_gone:
+                return
+            try:
+                self.conn.send(calls)
+            except OSError:  # the server's process is gone: the command pipe's EOF stops the loop
+                self.server_gone = True
+                logger.info("the server's process is gone; the engine process stops")
 
     def on_accepted(self, request_id: str, error: Optional[BaseException]) -> None:
         self.calls.append(("on_accepted", (request_id, error)))
@@ -128,8 +133,7 @@ def run_engine_process(args: EngineArgs, step_trace_path: Optional[str], idle_wa
     if step_trace is not None:
         step_trace.write_header(core.describe())
     events.send(EngineInfo(ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size),
-                           core.tokenizer, core.scheduler_config.max_num_batched_tokens, core.describe(),
-                           core.get_stats()))
+                           core.tokenizer, core.scheduler_config.max_num_batched_tokens, core.get_stats()))
     sink = _ShippingSink(events)
     loop = CoreLoop(core, sink, step_trace, flush=sink.flush)
     reason: Optional[str] = None
@@ -142,10 +146,11 @@ def run_engine_process(args: EngineArgs, step_trace_path: Optional[str], idle_wa
         loop.release_all()
     except Exception:
         logger.exception("cleaning up the engine after it stopped failed")
-    try:
-        events.send(_Exit(reason))
-    except OSError:
-        pass  # the server's process is gone
+    if not sink.server_gone:
+        try:
+            events.send(_Exit(reason))
+        except OSError:
+            pass  # gone since
     if step_trace is not None:
         step_trace.close()
 
@@ -181,23 +186,32 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
             if info.error is not None:
                 raise info.error
             raise RuntimeError(f"the engine process did not start: {info.reason}")
-        self.info = info
         self._deltas = OutputDeltaDecoder()  # the reader thread's
         self._init_front(info.model_info, info.tokenizer, args, info.max_num_batched_tokens, info.stats,
                          log_stats, stats_interval_s, time.monotonic)
+        self._outbox: queue.SimpleQueue[Optional[bytes]] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_commands, name="tokenweir-engine-sender", daemon=True)
+        self._sender.start()
         self._thread = threading.Thread(target=self._run, name="tokenweir-engine-reader", daemon=True)
         self._thread.start()
 
     def _send(self, command: Command) -> None:
-        try:
-            self._commands_w.send(command)
-        except OSError as e:  # the engine process is gone; the reader is failing everything
-            raise EngineDeadError(f"the engine process is gone: {e!r}") from e
+        self._outbox.put(ForkingPickler.dumps(command))  # what Connection.send writes
+
+    def _send_commands(self) -> None:
+        """The sender thread: writes the pickled commands in order, until told to stop."""
+        while (data := self._outbox.get()) is not None:
+            try:
+                self._commands_w.send_bytes(data)
+            except OSError:  # the engine process is gone; the reader fails everything
+                return
 
     def shutdown(self) -> None:
         """Stop the engine process; requests in flight fail with EngineDeadError."""
         self._submit(ShutdownCommand(), quiet=True)
         self._thread.join()
+        self._outbox.put(None)
+        self._sender.join()
         self.process.join(30)
         if self.process.is_alive():
             self.process.kill()
@@ -225,8 +239,6 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
                     reason = EngineDeadError(message.reason or "the engine was shut down")
                     break
                 for name, call_args in message:
-                    if name not in SINK_METHODS:
-                        raise RuntimeError(f"unknown call {name!r} from the engine process")
                     getattr(self, name)(*call_args)
         except EOFError:
             self.process.join(5)

@@ -121,9 +121,10 @@ def profile_serving(args: EngineArgs, quick: bool = False) -> tuple[dict, str]:
     # a block of the server's size in uint8).
     device = torch.device(engine["device"])
     blocks = torch.zeros((2, 128, engine["kv_bytes_per_block"] // 2), dtype=torch.uint8, device=device)
-    metadata = {**engine, "serving_threads": True, "measured_at": utc_now(),
+    # `serve`'s engine process keeps torch's threads for every step (only --engine-in-process
+    # gives up a core for small steps, which the small-step term was for; here it fits what is left).
+    metadata = {**engine, "serving_threads": False, "measured_at": utc_now(),
                 "source": "tokenweir serve step trace under bench-serve load",
                 "load_phases": [list(p) for p in (QUICK_PHASES if quick else PHASES)],
                 "profile_seconds": round(time.perf_counter() - start, 1)}
-    # The server leaves a core to the serving path in steps of up to this many tokens.
     return fit_profile(samples, measure_copy_bandwidth([blocks]), metadata, SMALL_STEP_MAX_TOKENS)
