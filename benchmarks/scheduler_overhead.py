@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.block_hash import BlockHasher
+from tokenweir.core.composition import CompositionConfig
 from tokenweir.core.policies import SLAConfig
 from tokenweir.core.scheduler import Scheduler
 from tokenweir.request import Request, SamplingParams, SchedulingHints
@@ -42,12 +43,12 @@ def mixed_hints(i: int) -> SchedulingHints:
 
 
 def build(num_running: int, num_waiting: int, prompt_len: int = 128, policy: str = "fcfs",
-          policy_config=None) -> Scheduler:
+          policy_config=None, composition: CompositionConfig = CompositionConfig()) -> Scheduler:
     block_size = 16
     blocks_per_req = (prompt_len + 4096) // block_size + 1  # room to decode for a long time
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=max(2048, num_running), max_num_seqs=num_running,
-                        policy=policy, policy_config=policy_config),
+                        policy=policy, policy_config=policy_config, composition=composition),
         CacheConfig(block_size=block_size, num_blocks=num_running * blocks_per_req))
     params = SamplingParams(max_tokens=None, ignore_eos=True)
     for i in range(num_running + num_waiting):
@@ -93,25 +94,87 @@ def settle(sched: Scheduler, max_steps: int = 5000) -> None:
             return
 
 
-def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs", policy_config=None) -> dict:
-    sched = build(num_running, num_waiting, policy=policy, policy_config=policy_config)
+def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs", policy_config=None,
+            composition: CompositionConfig = CompositionConfig()) -> dict:
+    sched = build(num_running, num_waiting, policy=policy, policy_config=policy_config, composition=composition)
     settle(sched)
-    run_steps(sched, 50)  # warm up
-    start = time.process_time()
-    run_steps(sched, steps)
-    per_step_ms = (time.process_time() - start) / steps * 1e3
+    return timed(sched, steps, cpu_seconds_of(run_steps), label_of(policy, policy_config, composition),
+                 num_running, num_waiting)
+
+
+def cpu_seconds_of(run):
+    """`run(sched, steps)` made to return the CPU seconds it took."""
+    def timed_run(sched: Scheduler, steps: int) -> float:
+        start = time.process_time()
+        run(sched, steps)
+        return time.process_time() - start
+    return timed_run
+
+
+def label_of(policy: str, policy_config, composition: CompositionConfig) -> str:
+    label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
+    return label if composition.admission_order == "policy" else f"{label}, {composition.admission_order} order"
+
+
+def timed(sched: Scheduler, steps: int, run, label: str, num_running: int, num_waiting: int) -> dict:
+    """`run(sched, steps)` returns the CPU seconds of the scheduler calls it made."""
+    run(sched, 50)  # warm up
+    per_step_ms = run(sched, steps) / steps * 1e3
     profiler = cProfile.Profile()
     profiler.enable()
-    run_steps(sched, min(steps, 500))
+    run(sched, min(steps, 500))
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(8)
     top = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
     top = top[top.index("ncalls"):] if "ncalls" in top else top
-    return {"policy": policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})",
-            "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
+    return {"policy": label, "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
             "cpu_ms_per_step": round(per_step_ms, 4),
             "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3), "profile_top": top}
+
+
+CHURN_PREFIXES = 8  # system prompts of the churn case
+CHURN_PREFIX_LEN, CHURN_SUFFIX_LEN = 128, 32
+
+
+def churn_request(i: int) -> Request:
+    """One of CHURN_PREFIXES shared prefixes, a unique suffix, 32 to 95 output tokens."""
+    p = i % CHURN_PREFIXES
+    prompt = [p * 1000 + j for j in range(CHURN_PREFIX_LEN)] + [(i * 7 + j) % 50000 + 10_000
+                                                              for j in range(CHURN_SUFFIX_LEN)]
+    return Request(f"churn-{i}", prompt, SamplingParams(max_tokens=32 + (i * 37) % 64, ignore_eos=True),
+                   arrival_time=i * 1e-3, eos_token_id=2)
+
+
+def measure_churn(num_running: int, num_waiting: int, steps: int, composition: CompositionConfig) -> dict:
+    """256 running and 10,000 waiting, requests finishing and admitted every step (each one
+    replaced by a new arrival outside the timed calls): the admission order chooses every step."""
+    block_size = 16
+    per_req = (CHURN_PREFIX_LEN + CHURN_SUFFIX_LEN + 96) // block_size + 1
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=num_running, composition=composition),
+        CacheConfig(block_size=block_size, num_blocks=num_running * per_req + 8 * CHURN_PREFIXES))
+    counter = iter(range(10**9))
+    for _ in range(num_running + num_waiting):
+        sched.add_request(churn_request(next(counter)))
+    sched.bench_now = 20.0  # type: ignore[attr-defined]
+    run_steps(sched, 400)  # through the first admissions, into steady churn
+
+    def run(sched: Scheduler, n: int) -> float:
+        now = sched.bench_now  # type: ignore[attr-defined]
+        clock = 0.0
+        for _ in range(n):
+            start = time.process_time()
+            out = sched.schedule(now)
+            finished = sched.update_from_output(out, {rid: [7] for rid in out.num_scheduled_tokens}, now)
+            clock += time.process_time() - start
+            for _ in range(sum(1 for u in finished if u.request.is_finished)):
+                sched.add_request(churn_request(next(counter)))
+            now += STEP_S
+        sched.bench_now = now  # type: ignore[attr-defined]
+        return clock
+
+    return timed(sched, steps, run, f"fcfs, churn, {composition.admission_order} order", num_running, num_waiting)
 
 
 def measure_hashing(num_blocks: int = 100_000, block_size: int = 16) -> dict:
@@ -139,7 +202,11 @@ def main() -> None:
     results = [measure(256, 10_000, args.steps), measure(1024, 0, args.steps // 2)]
     results += [measure(256, 10_000, args.steps, "sla"),
                 measure(256, 10_000, args.steps, "sla", SLAConfig(tenant_fairness=True)),
-                measure(256, 10_000, args.steps, "vtc")]
+                measure(256, 10_000, args.steps, "vtc"),
+                measure(256, 10_000, args.steps, composition=CompositionConfig("cache-aware")),
+                measure(256, 10_000, args.steps, "priority", composition=CompositionConfig("cache-aware"))]
+    results += [measure_churn(256, 10_000, args.steps, CompositionConfig(order))
+                for order in ("policy", "cache-aware", "length-aware", "sampling-grouped")]
     hashing = measure_hashing()
     machine = f"{platform.processor() or platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
     OUT.mkdir(parents=True, exist_ok=True)

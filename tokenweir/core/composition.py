@@ -124,30 +124,24 @@ class _PrefixMatcher:
 
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
-        # id -> (request, its number of tokens, hit blocks, blocks that could hit)
+        # id -> (request, its preemptions (its tokens change only then), hit blocks, blocks that could hit)
         self._memo: dict[str, tuple[Request, int, int, int]] = {}
 
     def match(self, request: Request) -> tuple[int, int]:
         """(cached blocks, blocks that could hit) of the request's tokens."""
         memo = self._memo.get(request.request_id)
-        if memo is not None and memo[0] is request and memo[1] == request.num_tokens:
+        if memo is not None and memo[0] is request and memo[1] == request.num_preemptions:
             _, _, n, most = memo
-            hashes, pool = request.block_hashes, self.kv.block_pool
-            if ((n == 0 or pool.get_cached_block(hashes[n - 1]) is not None)
-                    and (n == most or pool.get_cached_block(hashes[n]) is None)):
+            hashes, cached = request.block_hashes, self.kv.block_pool.cached_block_hash_to_block
+            if (n == 0 or hashes[n - 1] in cached) and (n == most or hashes[n] not in cached):
                 return n, most
         _, num_tokens = self.kv.get_computed_blocks(request)
         n = num_tokens // self.kv.block_size
         most = (request.num_tokens - 1) // self.kv.block_size if self.kv.enable_caching else 0
         if len(self._memo) > 65536:  # admitted and finished requests' entries, now and then
             self._memo.clear()
-        self._memo[request.request_id] = (request, request.num_tokens, n, most)
+        self._memo[request.request_id] = (request, request.num_preemptions, n, most)
         return n, most
-
-    def next_block(self, request: Request) -> Optional[BlockHash]:
-        """The key of the request's first uncached block, if it is a full one."""
-        n, most = self.match(request)
-        return request.block_hashes[n] if n < most else None
 
 
 class CacheAwareOrder(BandOrder):
@@ -162,18 +156,21 @@ class CacheAwareOrder(BandOrder):
 
     def choose(self, band: Sequence[Request]) -> Request:
         match, computing = self.matcher.match, self._computing
-        best, best_key = band[0], None
+        best, best_hits = band[0], -1
+        deferred = None  # the first of those that would compute a prefix chosen this step
         for request in band:
             n, most = match(request)
-            key = (n < most and request.block_hashes[n] in computing, -n)
-            if best_key is None or key < best_key:
-                best, best_key = request, key
-        return best
+            if n < most and computing and request.block_hashes[n] in computing:
+                if deferred is None:
+                    deferred = request
+            elif n > best_hits:
+                best, best_hits = request, n
+        return best if best_hits >= 0 else deferred
 
     def chosen(self, request: Request) -> None:
-        block = self.matcher.next_block(request)
-        if block is not None:
-            self._computing.add(block)
+        n, most = self.matcher.match(request)
+        if n < most:
+            self._computing.add(request.block_hashes[n])
 
 
 class LengthAwareOrder(BandOrder):
