@@ -107,6 +107,33 @@ def length_sweep(cost_model, num_prompts: int) -> list[dict[str, Any]]:
     return rows
 
 
+def sampler_costs() -> list[dict[str, Any]]:
+    """Milliseconds of one Sampler call on bf16 logits of SmolLM2's vocabulary: all rows greedy (the
+    argmax-only path), one sampled row among greedy ones, all sampled. What sampling-grouped
+    could save is the difference between the first two, on steps it makes all-greedy."""
+    import torch
+
+    from tokenweir.model.sampler import Sampler, SamplingMetadata
+
+    torch.manual_seed(0)
+    sampler, rows = Sampler(), []
+    for batch in (8, 32, 64):
+        logits = torch.randn(batch, 49152, dtype=torch.bfloat16)
+        row: dict[str, Any] = {"batch": batch}
+        for name, temps in (("all_greedy", [0.0] * batch), ("one_sampled", [0.0] * (batch - 1) + [0.8]),
+                            ("all_sampled", [0.8] * batch)):
+            meta = SamplingMetadata.build(temps)
+            for _ in range(5):
+                sampler(logits, meta)
+            start = time.perf_counter()  # wall time: torch's threads would count twice in CPU time
+            for _ in range(50):
+                sampler(logits, meta)
+            row[f"{name}_ms"] = round((time.perf_counter() - start) / 50 * 1e3, 3)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 # ---------------------------------------------------------------- the real engine
 
 def _get(url: str) -> str:
@@ -222,9 +249,10 @@ def main() -> None:
         "num_prompts": args.num_prompts,
         "prefix_sim": prefix_sweep(cost_model, args.num_prompts),
         "length_sim": length_sweep(cost_model, args.num_prompts // 2),
+        "sampler": sampler_costs(),
     }
     if args.real:
-        result["real"] = [real_run(order, 5.0, args.real_num_prompts, args.real_rate, args.port)
+        result["real"] = [real_run(order, 30.0, args.real_num_prompts, args.real_rate, args.port)
                           for order in ("policy", "cache-aware")]
         result["real_num_prompts"] = args.real_num_prompts
         for row in result["real"]:

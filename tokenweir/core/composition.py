@@ -18,6 +18,10 @@ Orders (`admission_order`):
 - `sampling-grouped`: requests whose kind (greedy or sampled) matches the running batch first,
   so that greedy requests run together and their steps take the sampler's argmax-only path.
 
+Within a band the order, not arrival, ranks: a waiting request may not preempt a running one of
+its band unless it has waited the bound (priority's arrival tie-break would otherwise undo each
+choice by preempting it again).
+
 Aging bound: a request of the window that has waited `admission_max_wait` seconds goes first,
 the earliest arrival of such requests first; so, once it has waited the bound, no request of its
 band that arrived after it is admitted before it (the property test states it precisely).
@@ -47,7 +51,7 @@ ADMISSION_ORDERS = ("policy", "cache-aware", "length-aware", "sampling-grouped")
 class CompositionConfig:
     admission_order: str = "policy"
     # Seconds: a request that has waited this long is no longer passed by later arrivals.
-    max_wait: float = 5.0
+    max_wait: float = 30.0
     window: int = 32  # requests of the band an order chooses among
 
     def __post_init__(self) -> None:
