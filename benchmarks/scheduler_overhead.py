@@ -18,6 +18,7 @@ import platform
 import pstats
 import time
 from pathlib import Path
+from typing import Optional
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.block_hash import BlockHasher
@@ -42,13 +43,17 @@ def mixed_hints(i: int) -> SchedulingHints:
                            deadline=600.0 if i % 10 == 9 else None)
 
 
+# Concurrent partial prefills on (core/prefill_limits.py): prompts of 128 tokens are long.
+PARTIAL_PREFILLS = dict(max_num_partial_prefills=4, max_long_partial_prefills=1, long_prefill_token_threshold=64)
+
+
 def build(num_running: int, num_waiting: int, prompt_len: int = 128, policy: str = "fcfs",
-          policy_config=None, composition: CompositionConfig = CompositionConfig()) -> Scheduler:
+          policy_config=None, options: Optional[dict] = None) -> Scheduler:
     block_size = 16
     blocks_per_req = (prompt_len + 4096) // block_size + 1  # room to decode for a long time
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=max(2048, num_running), max_num_seqs=num_running,
-                        policy=policy, policy_config=policy_config, composition=composition),
+                        policy=policy, policy_config=policy_config, **(options or {})),
         CacheConfig(block_size=block_size, num_blocks=num_running * blocks_per_req))
     params = SamplingParams(max_tokens=None, ignore_eos=True)
     for i in range(num_running + num_waiting):
@@ -94,43 +99,68 @@ def settle(sched: Scheduler, max_steps: int = 5000) -> None:
             return
 
 
+def build_long_slot_taken(num_running: int, num_waiting: int, steps: int) -> Scheduler:
+    """The partial-prefill limits' worst case: `num_running` decodes and one long prefill (it
+    outlasts the measurement) hold the only long slot, sequence slots are free, and every
+    waiting prompt is long, so admission looks past as many as it may in every step."""
+    block_size, budget = 16, 2 * num_running + 64  # room left after the hog's capped chunk
+    hog_len = (steps * 2 + 200) * (budget - num_running)  # the top-up gives it the leftover budget
+    decode_blocks = (steps * 2 + 400) // block_size + 2
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=num_running + 64, **PARTIAL_PREFILLS),
+        CacheConfig(block_size=block_size, num_blocks=num_running * decode_blocks + hog_len // block_size + 64))
+    params = SamplingParams(max_tokens=None, ignore_eos=True)
+    for i in range(num_running):  # short: 4 admitted per step
+        sched.add_request(Request(f"run-{i}", [(i * 7 + j) % 50000 for j in range(32)], params,
+                                  arrival_time=i * 1e-3, eos_token_id=2))
+    now = num_running * 1e-3
+    while len(sched.running) < num_running or any(r.num_computed_tokens < 32 for r in sched.running):
+        out = sched.schedule(now)
+        sched.update_from_output(out, {rid: [5] for rid in out.num_scheduled_tokens}, now)
+        now += STEP_S
+    sched.add_request(Request("hog", [j % 50000 for j in range(hog_len)], params, arrival_time=now, eos_token_id=2))
+    for i in range(num_waiting):
+        sched.add_request(Request(f"long-{i}", [(i * 11 + j + 7) % 50000 for j in range(128)], params,
+                                  arrival_time=now + (i + 1) * 1e-6, eos_token_id=2))
+    sched.bench_now = now  # type: ignore[attr-defined]
+    return sched
+
+
 def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs", policy_config=None,
-            composition: CompositionConfig = CompositionConfig()) -> dict:
-    sched = build(num_running, num_waiting, policy=policy, policy_config=policy_config, composition=composition)
+            options: Optional[dict] = None, long_slot_taken: bool = False) -> dict:
+    if long_slot_taken:
+        sched = build_long_slot_taken(num_running, num_waiting, steps)
+    else:
+        sched = build(num_running, num_waiting, policy=policy, policy_config=policy_config, options=options)
     settle(sched)
-    return timed(sched, steps, cpu_seconds_of(run_steps), label_of(policy, policy_config, composition),
-                 num_running, num_waiting)
-
-
-def cpu_seconds_of(run):
-    """`run(sched, steps)` made to return the CPU seconds it took."""
-    def timed_run(sched: Scheduler, steps: int) -> float:
-        start = time.process_time()
-        run(sched, steps)
-        return time.process_time() - start
-    return timed_run
-
-
-def label_of(policy: str, policy_config, composition: CompositionConfig) -> str:
+    run_steps(sched, 50)  # warm up
+    start = time.process_time()
+    run_steps(sched, steps)
+    per_step_ms = (time.process_time() - start) / steps * 1e3
+    top = profile_top(lambda: run_steps(sched, min(steps, 500)))
     label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
-    return label if composition.admission_order == "policy" else f"{label}, {composition.admission_order} order"
+    options = dict(options or {})
+    composition = options.pop("composition", None)
+    if options or long_slot_taken:
+        label += " + partial prefills 4/1" + (", long slot taken, all waiting long" if long_slot_taken else "")
+    if composition is not None:
+        label += f", {composition.admission_order} order"
+    return {"policy": label,
+            "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
+            "cpu_ms_per_step": round(per_step_ms, 4),
+            "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3), "profile_top": top}
 
 
-def timed(sched: Scheduler, steps: int, run, label: str, num_running: int, num_waiting: int) -> dict:
-    """`run(sched, steps)` returns the CPU seconds of the scheduler calls it made."""
-    run(sched, 50)  # warm up
-    per_step_ms = run(sched, steps) / steps * 1e3
+def profile_top(run) -> str:
+    """The top of a cProfile of `run()` by own time."""
     profiler = cProfile.Profile()
     profiler.enable()
-    run(sched, min(steps, 500))
+    run()
     profiler.disable()
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(8)
     top = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
-    top = top[top.index("ncalls"):] if "ncalls" in top else top
-    return {"policy": label, "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
-            "cpu_ms_per_step": round(per_step_ms, 4),
-            "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3), "profile_top": top}
+    return top[top.index("ncalls"):] if "ncalls" in top else top
 
 
 CHURN_PREFIXES = 8  # system prompts of the churn case
@@ -157,24 +187,29 @@ def measure_churn(num_running: int, num_waiting: int, steps: int, composition: C
     counter = iter(range(10**9))
     for _ in range(num_running + num_waiting):
         sched.add_request(churn_request(next(counter)))
-    sched.bench_now = 20.0  # type: ignore[attr-defined]
-    run_steps(sched, 400)  # through the first admissions, into steady churn
+    now = 20.0
 
-    def run(sched: Scheduler, n: int) -> float:
-        now = sched.bench_now  # type: ignore[attr-defined]
+    def run(n: int) -> float:
+        """n steps; the CPU seconds of the scheduler calls among them."""
+        nonlocal now
         clock = 0.0
         for _ in range(n):
             start = time.process_time()
             out = sched.schedule(now)
-            finished = sched.update_from_output(out, {rid: [7] for rid in out.num_scheduled_tokens}, now)
+            updates = sched.update_from_output(out, {rid: [7] for rid in out.num_scheduled_tokens}, now)
             clock += time.process_time() - start
-            for _ in range(sum(1 for u in finished if u.request.is_finished)):
+            for _ in range(sum(1 for u in updates if u.request.is_finished)):
                 sched.add_request(churn_request(next(counter)))
             now += STEP_S
-        sched.bench_now = now  # type: ignore[attr-defined]
         return clock
 
-    return timed(sched, steps, run, f"fcfs, churn, {composition.admission_order} order", num_running, num_waiting)
+    run(450)  # through the first admissions into steady churn, and warm
+    per_step_ms = run(steps) / steps * 1e3
+    return {"policy": f"fcfs, churn (8 shared prefixes), {composition.admission_order} order",
+            "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
+            "cpu_ms_per_step": round(per_step_ms, 4),
+            "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3),
+            "profile_top": profile_top(lambda: run(min(steps, 500)))}
 
 
 def measure_hashing(num_blocks: int = 100_000, block_size: int = 16) -> dict:
@@ -198,15 +233,30 @@ def measure_hashing(num_blocks: int = 100_000, block_size: int = 16) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--cases", nargs="+", default=None,
+                        choices=["fcfs", "fcfs-1024", "sla", "sla-tenants", "vtc", "partial-prefills",
+                                 "partial-prefills-passing", "cache-aware", "priority-cache-aware", "churn-policy",
+                                 "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped"])
     args = parser.parse_args()
-    results = [measure(256, 10_000, args.steps), measure(1024, 0, args.steps // 2)]
-    results += [measure(256, 10_000, args.steps, "sla"),
-                measure(256, 10_000, args.steps, "sla", SLAConfig(tenant_fairness=True)),
-                measure(256, 10_000, args.steps, "vtc"),
-                measure(256, 10_000, args.steps, composition=CompositionConfig("cache-aware")),
-                measure(256, 10_000, args.steps, "priority", composition=CompositionConfig("cache-aware"))]
-    results += [measure_churn(256, 10_000, args.steps, CompositionConfig(order))
-                for order in ("policy", "cache-aware", "length-aware", "sampling-grouped")]
+    cases = {"fcfs": lambda: measure(256, 10_000, args.steps), "fcfs-1024": lambda: measure(1024, 0, args.steps // 2),
+             "sla": lambda: measure(256, 10_000, args.steps, "sla"),
+             "sla-tenants": lambda: measure(256, 10_000, args.steps, "sla", SLAConfig(tenant_fairness=True)),
+             "vtc": lambda: measure(256, 10_000, args.steps, "vtc"),
+             "partial-prefills": lambda: measure(256, 10_000, args.steps, options=PARTIAL_PREFILLS),
+             "partial-prefills-passing": lambda: measure(256, 10_000, args.steps, long_slot_taken=True),
+             "cache-aware": lambda: measure(256, 10_000, args.steps,
+                                            options=dict(composition=CompositionConfig("cache-aware"))),
+             "priority-cache-aware": lambda: measure(256, 10_000, args.steps, "priority",
+                                                     options=dict(composition=CompositionConfig("cache-aware"))),
+             **{f"churn-{order}": (lambda order=order: measure_churn(256, 10_000, args.steps, CompositionConfig(order)))
+                for order in ("policy", "cache-aware", "length-aware", "sampling-grouped")}}
+    if args.cases:  # a subset: printed only, the docs stay as the last full run wrote them
+        for name in args.cases:
+            r = cases[name]()
+            print(f"{r['policy']}: {r['num_running']} running + {r['num_waiting']} waiting: "
+                  f"{r['cpu_ms_per_step']} ms/step\n{r['profile_top']}")
+        return
+    results = [case() for case in cases.values()]
     hashing = measure_hashing()
     machine = f"{platform.processor() or platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
     OUT.mkdir(parents=True, exist_ok=True)

@@ -10,9 +10,9 @@ Every server and the offline worker stay loaded for the whole run; each round me
 them once, in turn. Medians over the rounds and the ratios server TPOT / offline per-token
 time are printed and written to docs/benchmarks/serving_path.{json,md}.
 
-A variant is NAME=ROOT[,KEY=VAL...]: the server runs `tokenweir serve` from the checkout ROOT
-(PYTHONPATH=ROOT) with the extra environment variables; the offline worker runs from the first
-variant's ROOT.
+A variant is NAME=ROOT[,KEY=VAL...][,--FLAG...]: the server runs `tokenweir serve` from the
+checkout ROOT (PYTHONPATH=ROOT) with the extra environment variables and serve flags; the offline
+worker runs from the first variant's ROOT.
 
     .venv/bin/python benchmarks/serving_path.py --variant main=/work/main --variant this=.
 """
@@ -71,6 +71,7 @@ class Variant:
     name: str
     root: Path
     env: dict[str, str]
+    flags: list[str] = field(default_factory=list)
     port: int = 0
     proc: Optional[subprocess.Popen] = None
     model: str = ""
@@ -80,11 +81,13 @@ class Variant:
 
 def parse_variant(text: str) -> Variant:
     name, _, rest = text.partition("=")
-    root, *env_items = rest.split(",")
+    root, *items = rest.split(",")
+    flags = [item for item in items if item.startswith("--")]
+    env_items = [item for item in items if not item.startswith("--")]
     if not name or not root or not all("=" in kv for kv in env_items):
-        raise argparse.ArgumentTypeError(f"expected NAME=ROOT[,KEY=VAL...], got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected NAME=ROOT[,KEY=VAL...][,--FLAG...], got {text!r}")
     env = dict(kv.split("=", 1) for kv in env_items)
-    return Variant(name, Path(root).resolve(), env)
+    return Variant(name, Path(root).resolve(), env, flags)
 
 
 def child_env(root: Path, extra: dict[str, str]) -> dict[str, str]:
@@ -98,7 +101,7 @@ def load() -> list[float]:
 def start_server(v: Variant, log_dir: Path) -> None:
     log = open(log_dir / f"serving_path-{v.name}.log", "w")
     cmd = [sys.executable, "-m", "tokenweir.cli", "serve", "--port", str(v.port), "--disable-log-stats",
-           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning"]
+           "--disable-uvicorn-access-log", "--uvicorn-log-level", "warning", *v.flags]
     v.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=v.root,
                               env=child_env(v.root, v.env))
 
@@ -182,27 +185,36 @@ def main() -> None:
     p.add_argument("--skip-concurrent", action="store_true", help="only offline and one stream")
     p.add_argument("--base-port", type=int, default=8310)
     p.add_argument("--name", default="serving_path", help="output file stem in docs/benchmarks")
+    p.add_argument("--offline-threads", type=lambda t: [int(x) for x in t.split(",")], default=[0],
+                   help="comma-separated torch thread counts for offline workers, each measured "
+                        "every round (0 = torch's default); the first is the ratios' reference")
     ns = p.parse_args()
     variants: list[Variant] = ns.variant or [Variant("this", ROOT, {})]
     for i, v in enumerate(variants):
         v.port = ns.base_port + i
     load_start = load()
-    offline = subprocess.Popen([sys.executable, "-c", _OFFLINE_WORKER, str(ns.input_len), str(ns.output_len)],
-                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=variants[0].root,
-                               env=child_env(variants[0].root, {}))
+    offline_workers = {
+        threads: subprocess.Popen([sys.executable, "-c", _OFFLINE_WORKER, str(ns.input_len), str(ns.output_len)],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=variants[0].root,
+                                  env=child_env(variants[0].root, {"OMP_NUM_THREADS": str(threads)} if threads else {}))
+        for threads in ns.offline_threads}
     try:
-        assert offline.stdout is not None and offline.stdin is not None
-        if "ready" not in json.loads(offline.stdout.readline()):
-            raise RuntimeError("offline worker failed")
+        for worker in offline_workers.values():
+            assert worker.stdout is not None
+            if "ready" not in json.loads(worker.stdout.readline()):
+                raise RuntimeError("offline worker failed")
         for v in variants:  # one at a time: loading competes for the cores
             start_server(v, Path(tempfile.gettempdir()))
             wait_ready(v)
             asyncio.run(single(v, 99, ns))  # warm-up
-        offline_s: list[float] = []
+        offline_by_threads: dict[int, list[float]] = {threads: [] for threads in offline_workers}
+        offline_s = offline_by_threads[ns.offline_threads[0]]
         for r in range(ns.rounds):
-            offline.stdin.write(f"{1000 + r}\n")
-            offline.stdin.flush()
-            offline_s.append(json.loads(offline.stdout.readline())["per_token_s"])
+            for threads, worker in offline_workers.items():
+                assert worker.stdin is not None and worker.stdout is not None
+                worker.stdin.write(f"{1000 + r}\n")
+                worker.stdin.flush()
+                offline_by_threads[threads].append(json.loads(worker.stdout.readline())["per_token_s"])
             for v in variants:
                 v.tpot_1_s.append(asyncio.run(single(v, 2000 + r, ns)))
             if not ns.skip_concurrent:
@@ -213,7 +225,8 @@ def main() -> None:
                               + (f", {v.tok_s_n[-1]:.0f} tok/s at {ns.streams}" if v.tok_s_n else "")
                               for v in variants), flush=True)
     finally:
-        offline.kill()
+        for worker in offline_workers.values():
+            worker.kill()
         for v in variants:
             if v.proc is not None:
                 v.proc.terminate()
@@ -228,7 +241,10 @@ def main() -> None:
         "input_len": ns.input_len, "output_len": ns.output_len, "streams": ns.streams,
         "num_prompts": ns.num_prompts, "rounds": ns.rounds,
         "offline_per_token_ms": [x * 1e3 for x in offline_s], "offline_per_token_ms_median": off * 1e3,
-        "variants": {v.name: {"root": str(v.root), "env": v.env,
+        "offline_threads": ns.offline_threads,
+        "offline_per_token_ms_median_by_threads": {str(t or "default"): median(xs) * 1e3
+                                                   for t, xs in offline_by_threads.items()},
+        "variants": {v.name: {"root": str(v.root), "env": v.env, "flags": v.flags,
                               "tpot_1_ms": [x * 1e3 for x in v.tpot_1_s],
                               "tpot_1_ms_median": median(v.tpot_1_s) * 1e3,
                               "tpot_1_over_offline": median(v.tpot_1_s) / off,
@@ -249,7 +265,9 @@ def markdown(r: dict) -> str:
              f"Command: `{r['command']}`", "",
              f"One request: {r['input_len']}-token prompt, {r['output_len']} new tokens (ignore_eos), default model. "
              f"Medians of {r['rounds']} rounds, variants measured in turn within each round.", "",
-             f"Offline `LLM.generate` per-token time: **{r['offline_per_token_ms_median']:.2f} ms**", "",
+             f"Offline `LLM.generate` per-token time: **{r['offline_per_token_ms_median']:.2f} ms**"
+             + "".join(f"; with {t} torch threads {ms:.2f} ms"
+                       for t, ms in r["offline_per_token_ms_median_by_threads"].items() if t != "default"), "",
              f"| variant | TPOT, 1 stream (ms) | TPOT / offline | output tok/s at {r['streams']} streams |",
              "|---|---|---|---|"]
     for name, v in r["variants"].items():

@@ -103,7 +103,8 @@ def _serve(ns: argparse.Namespace) -> int:
     from tokenweir.engine.serving_threads import reserve_core_for_serving
     from tokenweir.server.app import run_server
 
-    reserve_core_for_serving()
+    if ns.engine_in_process:  # an engine process of its own has its cores to itself
+        reserve_core_for_serving()
     run_server(engine_args_from(ns), ns)
     return 0
 

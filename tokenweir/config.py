@@ -73,6 +73,13 @@ class SchedulerConfig:
     # A prefill chunk never takes more than this many tokens of a step (0 = no cap), so one long
     # prompt cannot starve the decodes sharing the step.
     long_prefill_token_threshold: int = 0
+    # Concurrent partial prefills (vLLM's names; core/prefill_limits.py): with more than 1, at
+    # most this many prefills end a step unfinished, and at most max_long_partial_prefills
+    # prefills of a step have more than long_prefill_token_threshold tokens left, so short
+    # prompts pass long ones. 1 leaves prefills unlimited, as before (vLLM's default, and its
+    # convention).
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
     # The policy's own knobs (its config_class); None: the policy's defaults.
     policy_config: Optional[PolicyConfig] = None
     # Admission order within the policy's bands (core/composition.py).
@@ -84,6 +91,8 @@ class SchedulerConfig:
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, 1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, 0)
+        _check_int("max_num_partial_prefills", self.max_num_partial_prefills, 1)
+        _check_int("max_long_partial_prefills", self.max_long_partial_prefills, 1)
         _check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
@@ -101,12 +110,35 @@ class SchedulerConfig:
             raise ValueError(
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) splits prompts into "
                 "chunks, but enable_chunked_prefill is off; set it to 0 or enable chunked prefill")
+        self._check_partial_prefills()
         if (not self.enable_chunked_prefill and self.max_model_len is not None
                 and self.max_num_batched_tokens < self.max_model_len):
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
                 f"({self.max_model_len}) while enable_chunked_prefill is off: a long prompt could never "
                 "be scheduled. Raise max_num_batched_tokens, lower max_model_len or enable chunked prefill.")
+
+    def _check_partial_prefills(self) -> None:
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be <= "
+                             f"max_num_partial_prefills ({self.max_num_partial_prefills})")
+        if self.max_num_partial_prefills == 1:
+            return
+        if not self.enable_chunked_prefill:
+            raise ValueError(f"max_num_partial_prefills ({self.max_num_partial_prefills}) > 1 limits prefills "
+                             "that are split across steps, but enable_chunked_prefill is off; enable chunked "
+                             "prefill or leave max_num_partial_prefills at 1")
+        if self.max_num_partial_prefills > self.max_num_seqs:
+            raise ValueError(f"max_num_partial_prefills ({self.max_num_partial_prefills}) must be <= "
+                             f"max_num_seqs ({self.max_num_seqs}): no more requests than that run at once")
+        if not self.long_prefill_token_threshold and self.max_model_len is not None:
+            # vLLM's default: "long" is more than 4% of the context length. (Without max_model_len,
+            # as when EngineArgs checks its knobs before the model is known, it is derived later;
+            # the scheduler refuses a config that still has none.)
+            self.long_prefill_token_threshold = max(1, int(self.max_model_len * 0.04))
+        if self.max_model_len is not None and self.long_prefill_token_threshold > self.max_model_len:
+            raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) cannot be "
+                             f"greater than max_model_len ({self.max_model_len})")
 
 
 @dataclass
@@ -187,7 +219,14 @@ class EngineArgs:
         "help": "reuse KV blocks of shared prompt prefixes"})
     enable_chunked_prefill: bool = field(default=True, metadata={"help": "split long prompts across steps"})
     long_prefill_token_threshold: int = field(default=0, metadata={
-        "help": "cap on one prefill chunk's tokens per step (0 = off)"})
+        "help": "cap on one prefill chunk's tokens per step (0 = off), and what counts as a long prompt "
+                "for --max-long-partial-prefills (0 there: 4%% of max_model_len)"})
+    max_num_partial_prefills: int = field(default=1, metadata={
+        "help": "prefills that may end a step unfinished (1 = unlimited, as in vLLM); above 1, long prompts "
+                "are limited by --max-long-partial-prefills and shorter ones may pass them"})
+    max_long_partial_prefills: int = field(default=1, metadata={
+        "help": "prefills per step with more than --long-prefill-token-threshold tokens left (<= "
+                "--max-num-partial-prefills)"})
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "fcfs | priority | sla (adaptive score) | vtc (per-tenant fair share)"})
     # --- sla: score = -priority*base + urgency*load_adj*urgency_w - resource*resource_w + fairness + aging
@@ -304,6 +343,8 @@ class EngineArgs:
                                     max_model_len=max_model_len, policy=self.scheduling_policy,
                                     enable_chunked_prefill=self.enable_chunked_prefill,
                                     long_prefill_token_threshold=self.long_prefill_token_threshold,
+                                    max_num_partial_prefills=self.max_num_partial_prefills,
+                                    max_long_partial_prefills=self.max_long_partial_prefills,
                                     policy_config=self._policy_config(),
                                     composition=CompositionConfig(self.admission_order, self.admission_max_wait,
                                                                   self.admission_window))

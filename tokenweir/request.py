@@ -57,6 +57,10 @@ class ParameterError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple:
+        # Crosses from the engine process to the server's: rebuilt from both arguments.
+        return (type(self), (self.param, str(self)))
+
 
 # Integer knobs end up in int64 tensors (top_k, stop ids) or a 64-bit generator seed.
 _INT64_LIMIT = 2**63

@@ -62,12 +62,16 @@ def test_offline_steps_keep_the_default(monkeypatch: pytest.MonkeyPatch) -> None
     assert torch.get_num_threads() == 2
 
 
-def test_serve_enables_it_before_the_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("in_process", [True, False])
+def test_serve_enables_it_before_an_in_process_engine_starts(monkeypatch: pytest.MonkeyPatch,
+                                                              in_process: bool) -> None:
+    """Only an engine loop sharing the server's process gives up a core; an engine process of
+    its own (serve's default) has no event loop next to it."""
     from tokenweir import cli
     from tokenweir.server import app
 
     _machine(monkeypatch, cores=2, threads=2)
     seen: list[object] = []
     monkeypatch.setattr(app, "run_server", lambda _args, _ns: seen.append(serving_threads._serving))
-    cli.main(["serve", "--port", "0"])
-    assert len(seen) == 1 and seen[0] is not None
+    cli.main(["serve", "--port", "0", *(["--engine-in-process"] if in_process else [])])
+    assert len(seen) == 1 and (seen[0] is not None) == in_process

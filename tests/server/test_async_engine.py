@@ -144,8 +144,7 @@ def test_a_failed_step_fails_only_its_requests(one_at_a_time, tiny_model_dir, mo
     if fault == "forward":
         engine.core.runner.model = FailsOnce(engine.core.runner.model, 3, RuntimeError("device lost"))
     else:
-        monkeypatch.setattr(engine, "_publish_waiting", FailsOnce(engine._publish_waiting, 3,
-                                                                  RuntimeError("device lost")))
+        monkeypatch.setattr(engine, "on_waiting", FailsOnce(engine.on_waiting, 3, RuntimeError("device lost")))
     a, b = run_a_and_b(engine)
     assert isinstance(a, RequestFailedError) and "device lost" in str(a)
     # "b" was in flight (waiting) but not in the failed step: it runs on, to the oracle's tokens.

@@ -22,6 +22,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def child_pids(pid: int) -> list[int]:
+    """The processes `pid` started (Linux /proc), leaving out multiprocessing's resource tracker."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            if b"resource_tracker" not in cmdline:
+                found.append(int(child))
+    return found
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + READY_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -69,6 +80,15 @@ def test_serve_default_model_answers_a_chat_completion(tmp_path):
         assert refused.status_code == 400 and "at least" in refused.json()["error"]["message"]
         too_big = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * 5_000_000}, timeout=60)
         assert too_big.status_code == 413
+        # The engine runs in a process of its own, which ends with the server (SIGTERM).
+        engine_pids = child_pids(proc.pid)
+        assert len(engine_pids) == 1, engine_pids
+        proc.terminate()
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{engine_pids[0]}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not Path(f"/proc/{engine_pids[0]}").exists(), "the engine process outlived the server"
     finally:
         proc.terminate()
         try:

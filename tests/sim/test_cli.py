@@ -87,8 +87,8 @@ def test_bad_profile_and_bad_flags_are_one_line_errors(tmp_path, capsys) -> None
                          "unrecognized arguments: --plot-dir"),
                         (["simulate", "--model", "x"], "are the cost profile's"),
                         (["simulate", "search", "--dtype", "fp32"], "are the cost profile's"),
-                        (["profile", "--serving", "--no-serving-threads", "--output", "x.json"],
-                         "--no-serving-threads applies to the engine grid only")):
+                        (["profile", "--serving", "--serving-threads", "--output", "x.json"],
+                         "--serving-threads applies to the engine grid only")):
         with pytest.raises(SystemExit):
             main(argv)
         assert match in capsys.readouterr().err

@@ -23,6 +23,7 @@ from tokenweir.core.composition import create_admission_order
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
 from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks, KVCacheManager, PrefixCacheStats, SwapPairs
 from tokenweir.core.policies import SchedulingPolicy, StepServed, create_policy
+from tokenweir.core.prefill_limits import PartialPrefillLimits, StepPrefills
 from tokenweir.core.preemption import PREEMPTION_KINDS, PreemptionChooser
 from tokenweir.request import Request, RequestStatus, SamplingParams
 
@@ -106,6 +107,7 @@ class _StepState:
     swapped_out: list[Request] = field(default_factory=list)
     blocks_to_swap_out: SwapPairs = field(default_factory=list)
     blocks_to_swap_in: SwapPairs = field(default_factory=list)
+    prefills: Optional[StepPrefills] = None  # with max_num_partial_prefills > 1
 
 
 @dataclass
@@ -151,6 +153,7 @@ class Scheduler:
         self._policy_preempts = type(self.policy).may_preempt is not SchedulingPolicy.may_preempt
         self.batch_controller = batch_controller or StaticBatchController(
             StepLimits(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs))
+        self.prefill_limits = PartialPrefillLimits.from_config(scheduler_config)
         self.waiting = self.policy.make_waiting_queue()
         self.admission_order = create_admission_order(scheduler_config.composition, self.kv_cache_manager,
                                                       self.waiting)
@@ -263,6 +266,8 @@ class Scheduler:
                                "nor failed (fail_step): a step's results must be settled before the next")
         limits = self._get_limits(now)
         step = _StepState(limits=limits, budget=limits.max_num_batched_tokens)
+        if self.prefill_limits is not None:
+            step.prefills = self.prefill_limits.begin_step(self.policy, now)
         self.policy.begin_step(now, self.waiting, self.running)
         self.admission_order.begin_step(now, self.running)
         for request, reason in self.policy.take_expired(now):  # overload shedding (sla)
@@ -298,10 +303,14 @@ class Scheduler:
             if not self._swapped_before(request) and self._try_admit(request, step, now):
                 continue
             passed_over.append(request)
+            if step.prefills is not None and step.prefills.was_passed(request):
+                continue  # it waits for a long-prefill slot; shorter prompts may pass it
             if len(passed_over) > lookahead or len(self.running) >= limits.max_num_seqs:
                 break
         for request in reversed(passed_over):
             self.waiting.push_front(request)
+        if step.prefills is not None:
+            self._top_up(step)
 
         return self._make_output(step)
 
@@ -327,8 +336,10 @@ class Scheduler:
             pairs = None
             if self.config.enable_chunked_prefill or num_new <= step.budget:
                 num_new = self._cap_tokens(num_new, step.budget)
-                # As for an admission: the reserve holds unless nothing else runs.
-                pairs = self.kv_cache_manager.swap_in(request, num_new, apply_watermark=bool(self.running))
+                if step.prefills is None or step.prefills.admits(
+                        request, request.num_tokens - request.num_computed_tokens, step.budget):
+                    # As for an admission: the reserve holds unless nothing else runs.
+                    pairs = self.kv_cache_manager.swap_in(request, num_new, apply_watermark=bool(self.running))
             if pairs is None:
                 self.swapped.push_front(request)
                 return
@@ -344,6 +355,8 @@ class Scheduler:
         num_new = request.num_tokens - num_hit
         if not self.config.enable_chunked_prefill and num_new > step.budget:
             return False  # the whole prompt must go in one step: wait for room
+        if step.prefills is not None and not step.prefills.admits(request, num_new, step.budget):
+            return False
         num_new = self._cap_tokens(num_new, step.budget)
         victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
         if victims is None:
@@ -436,6 +449,8 @@ class Scheduler:
         self.num_preemptions += 1
         self.num_preemptions_by_mode[kind] += 1
         step.preempted.add(victim.request_id)
+        if step.prefills is not None:
+            step.prefills.remove(victim.request_id)
         # Its block ids and admission need no undoing: the output is built from `running`.
         step.budget += step.num_scheduled.pop(victim.request_id, 0)
 
@@ -462,6 +477,27 @@ class Scheduler:
         step.budget -= num_new
         if blocks:
             step.new_block_ids[request.request_id] = blocks.get_block_ids()
+        if step.prefills is not None and request.num_tokens - request.num_computed_tokens > 1:
+            step.prefills.add(request, num_new)  # a prefill (a decode, most calls, skips the call)
+
+    def _top_up(self, step: _StepState) -> None:
+        """What the step has left goes to its long prefills, which the threshold capped, in
+        the order they were scheduled, as far as blocks allow above the admission reserve
+        (never by preempting)."""
+        assert step.prefills is not None
+        for request_id in step.prefills.capped():
+            if step.budget == 0:
+                return
+            request = self.requests[request_id]
+            num_scheduled = step.num_scheduled[request_id]
+            extra = min(request.num_tokens - request.num_computed_tokens - num_scheduled, step.budget)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_scheduled + extra, apply_watermark=True)
+            if blocks is None:
+                continue
+            step.num_scheduled[request_id] = num_scheduled + extra
+            step.budget -= extra
+            if blocks:
+                step.new_block_ids.setdefault(request_id, []).extend(blocks.get_block_ids())
 
     def _make_output(self, step: _StepState) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []

@@ -1,10 +1,13 @@
 """AsyncLLMEngine: the asyncio front of EngineCore, for the server.
 
 EngineCore is single-threaded and its steps block (the model runs for milliseconds to seconds),
-so it lives in one background thread that owns it exclusively. The event loop never touches it:
-it sends commands (add, abort) through a thread-safe queue, and the engine thread hands each
-request's outputs back with `loop.call_soon_threadsafe`. Between two steps the engine thread
-drains every queued command, so an abort frees the request's KV blocks before the next step.
+so it lives in one background thread that owns it exclusively, running the engine loop
+(engine/core_loop.py). The event loop never touches it: it sends commands (add, abort) through a
+thread-safe queue, and the engine thread reports back to this front (the loop's sink), which
+counts the metrics and hands each request's outputs to its stream with
+`loop.call_soon_threadsafe`. `tokenweir serve` runs the same loop in a process of its own
+instead (engine/core_process.py, a subclass of this front), so that the model's threads never
+wait on the event loop's interpreter lock.
 
 Failures stay as small as they can be: a bad prompt fails its `add_request` (ValueError), an
 error in one request's output processing fails that request's stream, an exception in a step
@@ -26,11 +29,10 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Union
 from prometheus_client import CollectorRegistry
 
 from tokenweir.config import EngineArgs
-from tokenweir.core.cost_model import step_composition
 from tokenweir.core.scheduler import SchedulerStats
-from tokenweir.engine import serving_threads
-from tokenweir.engine.client import DeadlineExceededError, EngineDeadError, ModelInfo, RequestFailedError
+from tokenweir.engine.client import DeadlineExceededError, EngineDeadError, ModelInfo
 from tokenweir.engine.core import EngineCore
+from tokenweir.engine.core_loop import AbortCommand, AddCommand, Command, CoreLoop, ShutdownCommand
 from tokenweir.engine.output import RequestOutput
 from tokenweir.engine.step_trace import StepTrace
 from tokenweir.metrics import EngineMetrics, StatsLogger
@@ -123,25 +125,6 @@ class RequestStream:
 
 
 @dataclass
-class _Add:
-    stream: RequestStream
-    prompt: Union[str, list[int]]
-    params: SamplingParams
-    hints: SchedulingHints
-    prompt_text: Optional[str]
-
-
-@dataclass
-class _Abort:
-    request_id: str
-
-
-@dataclass
-class _Shutdown:
-    pass
-
-
-@dataclass
 class _Progress:
     """Engine-thread bookkeeping of what a request has produced, for the token metrics."""
 
@@ -152,7 +135,7 @@ class _Progress:
 
 @dataclass
 class _EngineSide:
-    """State only the engine thread touches."""
+    """State only the thread that runs the sink (the engine thread) touches."""
 
     streams: dict[str, RequestStream] = field(default_factory=dict)
     progress: dict[str, _Progress] = field(default_factory=dict)
@@ -166,33 +149,44 @@ class AsyncLLMEngine:
                  step_trace: Optional[StepTrace] = None) -> None:
         self.core = core
         self._step_trace = step_trace  # used by the engine thread only
-        self._clock = core.clock  # one clock for the scheduler's times and the token metrics
-        self.model_info = ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size)
         # The server tokenizes in its threads while the engine thread detokenizes. A copy of
         # its own keeps the engine thread off the server's Rust tokenizer, whose mutating calls
         # (padding and truncation settings) fail when another thread holds it.
-        self.tokenizer = copy.deepcopy(core.tokenizer)
-        self.metrics = EngineMetrics(core.served_model_name, core.scheduler_config.max_num_batched_tokens,
-                                     num_priority_classes=core.args.num_priority_classes)
-        log_stats = not core.args.disable_log_stats if log_stats is None else log_stats
+        self._init_front(ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size),
+                         copy.deepcopy(core.tokenizer), core.args, core.scheduler_config.max_num_batched_tokens,
+                         core.get_stats(), log_stats, stats_interval_s, core.clock)
+        self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="tokenweir-engine", daemon=True)
+        self._thread.start()
+
+    def _init_front(self, model_info: ModelInfo, tokenizer: Any, args: EngineArgs, max_num_batched_tokens: int,
+                    stats: SchedulerStats, log_stats: Optional[bool], stats_interval_s: float,
+                    clock: Callable[[], float]) -> None:
+        """The state of the front, wherever the engine loop runs."""
+        self.model_info = model_info
+        self.tokenizer = tokenizer
+        self._clock = clock  # the engine's: one clock for the scheduler's times and the token metrics
+        self.metrics = EngineMetrics(model_info.name, max_num_batched_tokens,
+                                     num_priority_classes=args.num_priority_classes)
+        log_stats = not args.disable_log_stats if log_stats is None else log_stats
         self._stats_logger = StatsLogger(stats_interval_s, self._clock()) if log_stats else None
         self._idle_wait_s = stats_interval_s if log_stats else None
         self._side = _EngineSide()
-        self._commands: queue.SimpleQueue[Union[_Add, _Abort, _Shutdown]] = queue.SimpleQueue()
-        # Held while checking for death and queueing, and while dying and draining the queue,
-        # so that no command is queued after the last drain.
+        # Held while checking for death and submitting, and while dying, so that no request is
+        # submitted after the streams have been failed.
         self._submit_lock = threading.Lock()
         self._dead: Optional[BaseException] = None
         # Loop side: requests with a live stream, and adds the engine has not acknowledged yet.
         self._active: dict[str, RequestStream] = {}
         self._num_in_transit = 0
-        # Published by the engine thread after each command batch and step (plain int stores),
-        # and the waiting count also once each step has scheduled.
+        # Adds submitted and not yet acknowledged: set by the event loop under the submit lock,
+        # taken by the sink's thread on the ack (or failed when the engine dies).
+        self._pending: dict[str, tuple[RequestStream, SchedulingHints]] = {}
+        # Published by the sink after each command batch and step (plain int stores), and the
+        # waiting count also once each step has scheduled.
         self._num_waiting = 0
         self._num_unfinished = 0
-        self._stats = core.get_stats()
-        self._thread = threading.Thread(target=self._run, name="tokenweir-engine", daemon=True)
-        self._thread.start()
+        self._stats = stats
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, step_trace: Optional[StepTrace] = None) -> AsyncLLMEngine:
@@ -236,7 +230,7 @@ class AsyncLLMEngine:
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already in use")
         stream = RequestStream(request_id, asyncio.get_running_loop(), self._forget)
-        self._submit(_Add(stream, prompt, params, hints, prompt_text))
+        self._submit(AddCommand(request_id, prompt, params, hints, prompt_text), pending=(stream, hints))
         self._active[request_id] = stream
         self._num_in_transit += 1
         try:
@@ -279,140 +273,105 @@ class AsyncLLMEngine:
         ids are ignored."""
         stream = self._active.get(request_id)
         if stream is not None and not stream.done:
-            self._submit(_Abort(request_id), quiet=True)
+            self._submit(AbortCommand(request_id), quiet=True)
 
     def shutdown(self) -> None:
         """Stop the engine thread; requests in flight fail with EngineDeadError."""
-        self._submit(_Shutdown(), quiet=True)
+        self._submit(ShutdownCommand(), quiet=True)
         self._thread.join()
 
     def _forget(self, request_id: str) -> None:
         self._active.pop(request_id, None)
 
-    def _submit(self, command: Union[_Add, _Abort, _Shutdown], quiet: bool = False) -> None:
+    def _submit(self, command: Command, quiet: bool = False,
+                pending: Optional[tuple[RequestStream, SchedulingHints]] = None) -> None:
         with self._submit_lock:
             if self._dead is not None:
                 if quiet:
                     return
                 raise EngineDeadError(f"the engine is not running: {self._dead}") from self._dead
-            self._commands.put(command)
+            if pending is not None:
+                self._pending[pending[0].request_id] = pending
+            self._send(command)
+
+    def _send(self, command: Command) -> None:
+        """Hand a command to the engine loop (called under the submit lock)."""
+        self._commands.put(command)
 
     # ================================================================ engine thread
 
     def _run(self) -> None:
+        loop = CoreLoop(self.core, self, self._step_trace)
         try:
-            self._loop()
+            loop.run(self._next_commands)
             reason: BaseException = EngineDeadError("the engine was shut down")
         except BaseException as e:
             logger.exception("the engine loop died")
             reason = EngineDeadError(f"the engine loop died: {e!r}")
+        self._die(reason)
+        try:
+            loop.release_all()
+        except Exception:
+            logger.exception("cleaning up the engine after it stopped failed")
+
+    def _next_commands(self, block: bool) -> list[Command]:
+        try:
+            commands = [self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()]
+        except queue.Empty:
+            return []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _die(self, reason: BaseException) -> None:
+        """The engine loop has ended: every request not finished yet fails with `reason`, and
+        every later call says so."""
         with self._submit_lock:
             self._dead = reason
-            leftover = []
-            while True:
-                try:
-                    leftover.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
-        for command in leftover:
-            if isinstance(command, _Add):
-                command.stream.put_error(reason)
+            pending, self._pending = self._pending, {}
+        for stream, _ in pending.values():
+            stream.put_error(reason)
         for stream in self._side.streams.values():
             stream.put_error(reason)
         self._side.streams.clear()
         self._side.progress.clear()
-        try:
-            # Free what the requests held, so a shut-down engine leaves no blocks behind.
-            self.core.abort_requests(list(self.core.states))
-            self._publish_stats()
-        except Exception:
-            logger.exception("cleaning up the engine after it stopped failed")
 
-    def _loop(self) -> None:
-        while True:
-            idle = not self.core.has_unfinished_requests()
-            if idle and self._step_trace is not None:
-                self._step_trace.went_idle()
-            acks, shutdown = self._handle_commands(block=idle)
-            # Stats first, acks second: the loop side counts an add as waiting until its ack,
-            # so the sum it reads never misses a request.
-            self._publish_stats()
-            for stream, error in acks:
-                stream.put_accepted(error)
-            if shutdown:
-                return
-            if self.core.has_unfinished_requests():
-                self._step()
-                self._publish_stats()
+    # ================================================================ the engine loop's sink
 
-    def _publish_waiting(self) -> None:
-        self._num_waiting = self.core.num_waiting_requests()
+    def on_accepted(self, request_id: str, error: Optional[BaseException]) -> None:
+        entry = self._pending.pop(request_id, None)
+        if entry is None:
+            return
+        stream, hints = entry
+        if error is None:
+            self._side.streams[request_id] = stream
+            self._side.progress[request_id] = _Progress(hints)
+        stream.put_accepted(error)
 
-    def _handle_commands(self, block: bool) -> tuple[list[tuple[RequestStream, Optional[BaseException]]], bool]:
-        """Run every queued command (waiting for one if `block`); returns the add acks and
-        whether shutdown was asked for."""
-        acks: list[tuple[RequestStream, Optional[BaseException]]] = []
-        try:
-            command = self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return acks, False
-        while True:
-            if isinstance(command, _Shutdown):
-                return acks, True
-            if isinstance(command, _Add):
-                acks.append((command.stream, self._add(command)))
-            else:
-                self._abort(command.request_id)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return acks, False
+    def on_output(self, output: RequestOutput, now: float) -> None:
+        self._deliver(output, now)
 
-    def _add(self, command: _Add) -> Optional[BaseException]:
-        rid = command.stream.request_id
-        try:
-            self.core.add_request(rid, command.prompt, command.params, command.hints,
-                                  prompt_text=command.prompt_text)
-        except Exception as e:  # EngineCore.add_request is atomic: nothing was added
-            if not isinstance(e, ValueError):
-                logger.exception("adding request %s failed", rid)
-                e = RequestFailedError(f"adding the request failed: {e!r}")
-            return e
-        self._side.streams[rid] = command.stream
-        self._side.progress[rid] = _Progress(command.hints)
-        return None
+    def on_expired(self, output: RequestOutput, message: str) -> None:
+        self._expire(output, message)
 
-    def _abort(self, request_id: str) -> None:
-        for output in self.core.abort_requests([request_id]):
-            self._deliver(output, self._clock())
+    def on_failed(self, request_id: str, error: BaseException) -> None:
+        self._fail_stream(request_id, error)
 
-    def _step(self) -> None:
-        # The step's two phases, called here rather than through `core.step()`: requests a step
-        # admits run from its scheduling on, though the model (a long prefill) may take seconds
-        # more, so the waiting count the server's limit reads is published in between.
-        scheduled = self.core.schedule()
-        try:
-            if self._step_trace is not None:
-                self._step_trace.step_started(step_composition(
-                    scheduled, self.core.scheduler.requests, self.core.kv_bytes_per_block))
-            self._publish_waiting()
-            serving_threads.before_step(scheduled.total_num_scheduled_tokens)
-            result = self.core.execute(scheduled)
-        except Exception as e:
-            logger.exception("engine step failed before the model ran")
-            result = self.core.fail_step(scheduled, e)
-        self.metrics.record_iteration(result.scheduler_output.total_num_scheduled_tokens)
-        now = self._clock()
-        for output in result.outputs:
-            if output.request_id in result.expired:
-                self._expire(output, result.expired[output.request_id])
-            else:
-                self._deliver(output, now)
-        for rid, error in result.failed.items():
-            logger.error("request %s failed in the engine: %r", rid, error)
-            failed = RequestFailedError(f"the engine failed this request: {error!r}")
-            failed.__cause__ = error
-            self._fail_stream(rid, failed)
+    def on_iteration(self, num_scheduled_tokens: int) -> None:
+        self.metrics.record_iteration(num_scheduled_tokens)
+
+    def on_waiting(self, num_waiting: int) -> None:
+        self._num_waiting = num_waiting
+
+    def on_stats(self, stats: SchedulerStats, num_unfinished: int) -> None:
+        self._stats = stats
+        self.metrics.record_scheduler_stats(stats)
+        self._num_waiting = stats.num_waiting
+        self._num_unfinished = num_unfinished
+        if self._stats_logger is not None:
+            self._stats_logger.maybe_log(stats, self._clock())
 
     def _deliver(self, output: RequestOutput, now: float) -> None:
         """Count the output's new tokens and hand it to its stream (metrics first, so that a
@@ -453,11 +412,3 @@ class AsyncLLMEngine:
         stream = self._side.streams.pop(request_id, None)
         if stream is not None:
             stream.put_error(error)
-
-    def _publish_stats(self) -> None:
-        stats = self._stats = self.core.get_stats()
-        self.metrics.record_scheduler_stats(stats)
-        self._num_waiting = stats.num_waiting
-        self._num_unfinished = len(self.core.states)
-        if self._stats_logger is not None:
-            self._stats_logger.maybe_log(stats, self._clock())

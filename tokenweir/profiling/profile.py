@@ -100,10 +100,9 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> int:
     if ns.serving:
         from tokenweir.profiling.serving import profile_serving
 
-        if not ns.serving_threads:
-            raise ValueError("--serving profiles `tokenweir serve`, which always chooses its threads "
-                             "per step (set OMP_NUM_THREADS to fix them); --no-serving-threads "
-                             "applies to the engine grid only")
+        if ns.serving_threads:
+            raise ValueError("--serving-threads applies to the engine grid only: --serving profiles "
+                             "`tokenweir serve` as it runs")
 
         data, table = profile_serving(args, quick=ns.grid == "quick")
     else:

@@ -91,13 +91,19 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
 def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
     """`tokenweir serve`: load the model, then serve until interrupted."""
     from tokenweir.engine.async_engine import AsyncLLMEngine
+    from tokenweir.engine.core_process import MPAsyncLLMEngine
     from tokenweir.engine.step_trace import StepTrace
 
     api_keys = load_api_keys(ns.api_keys_file) if ns.api_keys_file is not None else None  # before the load
-    step_trace = StepTrace(ns.step_trace) if ns.step_trace else None
-    engine = AsyncLLMEngine.from_engine_args(engine_args, step_trace)
-    if step_trace is not None:
-        step_trace.write_header(engine.core.describe())
+    step_trace = None
+    engine: AsyncLLMEngine
+    if ns.engine_in_process:
+        step_trace = StepTrace(ns.step_trace) if ns.step_trace else None
+        engine = AsyncLLMEngine.from_engine_args(engine_args, step_trace)
+        if step_trace is not None:
+            step_trace.write_header(engine.core.describe())
+    else:  # the engine process writes the step trace itself
+        engine = MPAsyncLLMEngine(engine_args, step_trace_path=ns.step_trace)
     try:
         app = build_app(engine, api_key=ns.api_key, max_waiting_requests=ns.max_waiting_requests,
                         max_request_body_bytes=ns.max_request_body_bytes,

@@ -35,5 +35,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-trace", default=None, metavar="FILE",
                         help="write each engine step's composition and duration as a JSON line "
                              "(what `tokenweir profile --serving` fits the simulator's cost model to)")
+    parser.add_argument("--engine-in-process", action="store_true",
+                        help="run the engine loop in a thread of the server's process instead of a "
+                             "process of its own (which keeps the model's threads off the server's "
+                             "interpreter lock)")
     parser.add_argument("--disable-uvicorn-access-log", action="store_true",
                         help="do not log one line per HTTP request")

@@ -97,6 +97,13 @@ class SchedulingPolicy(ABC):
         head-of-line blocking, so a large request is never overtaken forever."""
         return 0
 
+    def may_overtake(self, request: Request, ahead: Request, now: float) -> bool:
+        """Whether `request` may start before `ahead`, which the policy ranks first but which
+        must wait for a reason of batch composition (no long-prefill slot this step). Only if
+        the policy ranks `ahead` first for nothing a reordering would defeat (priority,
+        deadline, fair share): by default never, so a policy keeps strict order unless it says."""
+        return False
+
     def begin_step(self, now: float, waiting: RequestQueue, running: Sequence[Request]) -> None:
         """Called once per step before anything is scheduled: re-score what depends on time."""
 

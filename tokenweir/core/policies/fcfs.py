@@ -17,3 +17,6 @@ class FCFSPolicy(SchedulingPolicy):
 
     def select_victim(self, running: Sequence[Request], now: float) -> Request:
         return running[-1]
+
+    def may_overtake(self, request: Request, ahead: Request, now: float) -> bool:
+        return True  # arrival order is the only rank

@@ -29,3 +29,6 @@ class PriorityPolicy(SchedulingPolicy):
 
     def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:
         return priority_key(waiting) < priority_key(victim)
+
+    def may_overtake(self, request: Request, ahead: Request, now: float) -> bool:
+        return request.priority == ahead.priority  # within a level, the rank is arrival order

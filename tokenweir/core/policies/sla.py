@@ -246,6 +246,15 @@ class SLAPolicy(SchedulingPolicy):
                 score += scale * 2.0 * sigmoid(-abs(now - due) / window)
             scores[rid] = score
 
+    def may_overtake(self, request: Request, ahead: Request, now: float) -> bool:
+        # Never past a higher class, an earlier SLO or deadline, an aged request (the wait
+        # bound) or, with tenant fairness, another tenant; the rest of the score is size and age.
+        cfg = self.config
+        return (priority_class(request.priority, cfg.num_priority_classes)
+                == priority_class(ahead.priority, cfg.num_priority_classes)
+                and due_time(request) <= due_time(ahead) and not self._is_aged(ahead, now)
+                and (self.counters is None or request.tenant == ahead.tenant))
+
     def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:
         if victim.num_preemptions >= self.config.max_preemptions:
             return False

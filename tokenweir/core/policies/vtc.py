@@ -98,6 +98,9 @@ class VTCPolicy(SchedulingPolicy):
         counter = self.counters.counter
         return max(running, key=lambda r: (counter(r.tenant), r.arrival_time, r.request_id))
 
+    def may_overtake(self, request: Request, ahead: Request, now: float) -> bool:
+        return request.tenant == ahead.tenant  # across tenants the counters rank
+
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         self.counters.charge(served)
 

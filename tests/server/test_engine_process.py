@@ -1,0 +1,190 @@
+"""MPAsyncLLMEngine: the engine loop in a process of its own, behind the same front.
+
+One engine process serves the module (starting one loads torch and the model: seconds). Each
+test leaves it idle with nothing running, waiting or holding a KV block, as the engine process
+reports it; the kill test starts its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable, Iterator
+
+import openai
+import pytest
+
+from tests.hf_reference import hf_greedy
+from tests.server.conftest import BLOCK_SIZE, MAX_MODEL_LEN, NUM_BLOCKS, ServerThread, wait_until
+from tests.server.helpers import MODEL
+from tokenweir.config import EngineArgs
+from tokenweir.engine.client import EngineClient, EngineDeadError, ModelInfo
+from tokenweir.engine.core_process import MPAsyncLLMEngine
+from tokenweir.request import ParameterError, SamplingParams
+from tokenweir.server.app import build_app
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def make_mp_engine(model_dir: str, **overrides) -> MPAsyncLLMEngine:
+    args = dict(model=model_dir, dtype="float32", device="cpu", num_gpu_blocks_override=NUM_BLOCKS,
+                block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN, served_model_name=MODEL,
+                disable_log_stats=True)
+    return MPAsyncLLMEngine(EngineArgs(**{**args, **overrides}), startup_timeout_s=300)
+
+
+def assert_idle_and_released(engine: MPAsyncLLMEngine) -> None:
+    wait_until(lambda: engine.num_unfinished_requests() == 0, "the engine to go idle")
+    stats = engine.get_stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_swapped) == (0, 0, 0), stats
+    assert stats.kv_cache_usage == 0.0, stats
+    assert engine._side.streams == {} and engine._side.progress == {} and engine._pending == {}
+    assert engine._active == {}
+
+
+@pytest.fixture(scope="module")
+def mp_engine(tiny_model_dir: Callable[[str], str]) -> Iterator[MPAsyncLLMEngine]:
+    engine = make_mp_engine(tiny_model_dir("llama"))
+    yield engine
+    engine.shutdown()
+    assert engine.process.exitcode == 0
+    assert not engine.is_running and "shut down" in str(engine.dead_error)
+
+
+@pytest.fixture
+def clean(mp_engine: MPAsyncLLMEngine) -> Iterator[MPAsyncLLMEngine]:
+    yield mp_engine
+    assert_idle_and_released(mp_engine)
+
+
+async def collect(engine, request_id, prompt, params=GREEDY):
+    return [out async for out in engine.generate(request_id, prompt, params)]
+
+
+def test_streams_match_transformers_greedy_under_concurrency(clean, tiny_model_dir):
+    assert isinstance(clean, EngineClient)
+    assert clean.model_info == ModelInfo(MODEL, MAX_MODEL_LEN, 256)
+    assert clean.process.pid != os.getpid() and clean.process.is_alive()
+    prompts = {f"r{i}": [5 + i, 6, 7 + 2 * i, 9][: 2 + i % 3] for i in range(6)}
+    tokens_before = clean.metrics.generation_tokens._value.get()
+
+    async def run():
+        return await asyncio.gather(*(collect(clean, rid, p) for rid, p in prompts.items()))
+
+    results = dict(zip(prompts, asyncio.run(run())))
+    want = hf_greedy(tiny_model_dir("llama"), list(prompts.values()), 6, pad_token_id=0)
+    for (rid, outs), expected in zip(results.items(), want):
+        assert outs[-1].finished and outs[-1].outputs[0].token_ids == expected, rid
+    # The front counted every token the engine process produced.
+    assert clean.metrics.generation_tokens._value.get() - tokens_before == 6 * 6
+
+
+def test_bad_input_is_a_value_error_from_the_engine_process_and_others_go_on(clean):
+    async def run():
+        with pytest.raises(ValueError, match="token ids must be integers"):
+            await collect(clean, "bad-prompt", [1, 100000])
+        with pytest.raises(ValueError, match="stop_token_ids"):
+            await collect(clean, "bad-stop", [5, 6], SamplingParams(max_tokens=2, stop_token_ids=[999]))
+        return await collect(clean, "good", [5, 6, 7])
+
+    assert asyncio.run(run())[-1].finished
+
+
+def test_a_parameter_error_keeps_its_param_across_the_pipe():
+    import pickle
+    error = pickle.loads(pickle.dumps(ParameterError("top_p", "top_p must be in (0, 1]")))
+    assert type(error) is ParameterError and error.param == "top_p" and str(error) == "top_p must be in (0, 1]"
+
+
+def test_leaving_a_stream_early_aborts_it_in_the_engine_process(clean):
+    aborted_before = clean.metrics.request_success["abort"]._value.get()
+
+    async def run():
+        outputs = await clean.add_request("left", [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True))
+        first = await outputs.__anext__()
+        await outputs.aclose()
+        return first
+
+    first = asyncio.run(run())
+    assert not first.finished
+    assert_idle_and_released(clean)
+    # It ended as aborted, not by running on to its 200 tokens.
+    assert clean.metrics.request_success["abort"]._value.get() - aborted_before == 1
+
+
+def test_the_openai_client_streams_through_the_server(clean):
+    server = ServerThread(build_app(clean))
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+        stream = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        full = client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+        assert full.usage.completion_tokens == 5
+        with pytest.raises(openai.BadRequestError, match="token ids"):
+            client.completions.create(model=MODEL, prompt=[1, 100000], max_tokens=2)
+    finally:
+        server.stop()
+
+
+def test_a_killed_engine_process_fails_every_stream_and_every_later_call(tiny_model_dir):
+    engine = make_mp_engine(tiny_model_dir("llama"))
+    try:
+        async def run():
+            outputs = await engine.add_request("doomed", [5, 6, 7], SamplingParams(max_tokens=10_000,
+                                                                                   ignore_eos=True))
+            await outputs.__anext__()  # it is running in the engine process
+            os.kill(engine.process.pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError, match="exited with code -9"):
+                async for _ in outputs:
+                    pass
+            with pytest.raises(EngineDeadError):
+                await engine.add_request("late", [5, 6], GREEDY)
+
+        asyncio.run(run())
+        engine._thread.join(10)  # the reader has failed everything and ended
+        assert not engine.is_running and not engine._thread.is_alive()
+        assert engine._side.streams == {} and engine._pending == {}
+    finally:
+        engine.shutdown()
+
+
+def test_a_bad_model_path_raises_in_the_servers_process(tmp_path):
+    with pytest.raises(Exception, match=str(tmp_path / "missing")) as info:
+        MPAsyncLLMEngine(EngineArgs(model=str(tmp_path / "missing"), device="cpu"), startup_timeout_s=300)
+    assert not isinstance(info.value, RuntimeError) or "did not start" not in str(info.value)
+
+
+def test_outputs_equal_the_in_process_engines_with_logprobs_seeds_and_stop_strings(clean, engine):
+    """Every output of a stream, as the in-process engine (the session's `engine`) gives them:
+    the deltas rebuild tokens, text (cut back by a stop string), logprobs and finish reasons."""
+    cases = {
+        "seeded": ([5, 6, 7], SamplingParams(max_tokens=12, temperature=0.8, seed=3, logprobs=2, ignore_eos=True)),
+        "greedy": ([8, 9], SamplingParams(max_tokens=10, temperature=0.0, logprobs=1, ignore_eos=True)),
+    }
+
+    async def run(eng):
+        return await asyncio.gather(*(collect(eng, rid, p, params) for rid, (p, params) in cases.items()))
+
+    in_process = asyncio.run(run(engine))
+    finals = [outs[-1] for outs in in_process]
+    # A stop string from inside the greedy text: the text is held back, then cut there.
+    text = finals[1].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if stop:
+        cases["stopped"] = ([8, 9], SamplingParams(max_tokens=10, temperature=0.0, stop=[stop], ignore_eos=True))
+        in_process = asyncio.run(run(engine))
+    in_engine_process = asyncio.run(run(clean))
+
+    def comparable(o):
+        c = o.outputs[0]
+        return (o.request_id, o.prompt_token_ids, o.finished, c.text, c.token_ids, c.finish_reason,
+                c.stop_reason, c.logprobs, c.cumulative_logprob)
+
+    assert [comparable(outs[-1]) for outs in in_engine_process] == [comparable(outs[-1]) for outs in in_process]
+    for outs in in_engine_process:  # cumulative: each output extends the one before
+        for before, after in zip(outs, outs[1:]):
+            assert after.outputs[0].token_ids[:len(before.outputs[0].token_ids)] == before.outputs[0].token_ids

@@ -1,0 +1,239 @@
+"""The engine core in a process of its own: what `tokenweir serve` runs by default.
+
+In one process, the engine thread and the event loop share one interpreter lock: the model's
+Python between two kernels waits for the event loop's turn, and the torch team waits for that
+thread, at every token. In its own process the engine loop (engine/core_loop.py, the same loop
+the in-process engine thread runs) owns its interpreter; the server's process keeps the front
+(streams, metrics, the stats log) and talks to it through two pipes:
+
+- commands (add, abort, shutdown) from the event loop, pickled under the front's submit lock;
+- the sink's calls from the engine, batched by the loop at its flush points (after a command
+  batch, once a step has scheduled, after a step), replayed by one reader thread onto the front
+  in order, so the front sees exactly what an in-process engine thread would have told it.
+
+The engine process ignores SIGINT (the server decides when to stop) and ends when told to, or
+when the server's end of the pipe closes. If it dies, the reader thread finds its pipe closed
+and every request in flight fails with EngineDeadError; /health says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any, Optional
+
+from tokenweir.config import EngineArgs
+from tokenweir.core.scheduler import SchedulerStats
+from tokenweir.engine.async_engine import STATS_LOG_INTERVAL_S, AsyncLLMEngine
+from tokenweir.engine.client import EngineDeadError, ModelInfo
+from tokenweir.engine.core_loop import Command, CoreLoop, ShutdownCommand
+from tokenweir.engine.output import RequestOutput
+from tokenweir.engine.output_delta import OutputDelta, OutputDeltaDecoder, OutputDeltaEncoder
+
+logger = logging.getLogger("tokenweir")
+
+# The front's methods the engine process may call, and nothing else.
+SINK_METHODS = frozenset({"on_accepted", "on_output", "on_expired", "on_failed", "on_iteration",
+                          "on_waiting", "on_stats"})
+
+
+@dataclass
+class EngineInfo:
+    """What the server's process learns from the engine process once the model is loaded."""
+
+    model_info: ModelInfo
+    tokenizer: Any
+    max_num_batched_tokens: int
+    describe: dict  # EngineCore.describe(), for a step trace's header
+    stats: SchedulerStats
+
+
+@dataclass
+class _Exit:
+    reason: Optional[str]  # None: shut down as asked
+    error: Optional[BaseException] = None  # why loading failed, raised again in the server's process
+
+
+class _ShippingSink:
+    """The sink inside the engine process: records the loop's calls, sends them on flush;
+    outputs go as deltas (output_delta.py)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.calls: list[tuple[str, tuple]] = []
+        self.deltas = OutputDeltaEncoder()
+
+    def flush(self) -> None:
+        if self.calls:
+            calls, self.calls = self.calls, []
+            self.conn.send(calls)
+
+    def on_accepted(self, request_id: str, error: Optional[BaseException]) -> None:
+        self.calls.append(("on_accepted", (request_id, error)))
+
+    def on_output(self, output: RequestOutput, now: float) -> None:
+        self.calls.append(("on_output", (self.deltas.encode(output), now)))
+
+    def on_expired(self, output: RequestOutput, message: str) -> None:
+        self.calls.append(("on_expired", (self.deltas.encode(output), message)))
+
+    def on_failed(self, request_id: str, error: BaseException) -> None:
+        self.deltas.forget(request_id)
+        self.calls.append(("on_failed", (request_id, error)))
+
+    def on_iteration(self, num_scheduled_tokens: int) -> None:
+        self.calls.append(("on_iteration", (num_scheduled_tokens,)))
+
+    def on_waiting(self, num_waiting: int) -> None:
+        self.calls.append(("on_waiting", (num_waiting,)))
+
+    def on_stats(self, stats: SchedulerStats, num_unfinished: int) -> None:
+        self.calls.append(("on_stats", (stats, num_unfinished)))
+
+
+def _command_source(conn: Connection, idle_wait_s: Optional[float]):
+    def next_commands(block: bool) -> list[Command]:
+        commands: list[Command] = []
+        if block and not conn.poll(idle_wait_s):
+            return commands
+        while conn.poll(0):
+            try:
+                commands.append(conn.recv())
+            except EOFError:  # the server's process is gone
+                commands.append(ShutdownCommand())
+                break
+        return commands
+    return next_commands
+
+
+def run_engine_process(args: EngineArgs, step_trace_path: Optional[str], idle_wait_s: Optional[float],
+                       commands: Connection, events: Connection) -> None:
+    """The engine process's main: load, report ready, run the loop, release, report the exit."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    from tokenweir.engine.core import EngineCore
+    from tokenweir.engine.step_trace import StepTrace
+
+    try:
+        core = EngineCore(args)
+    except Exception as e:  # a bad model path or engine arg: the server raises it as it would in-process
+        events.send(_Exit(f"loading the engine failed: {e!r}", e))
+        return
+    step_trace = StepTrace(step_trace_path) if step_trace_path else None
+    if step_trace is not None:
+        step_trace.write_header(core.describe())
+    events.send(EngineInfo(ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size),
+                           core.tokenizer, core.scheduler_config.max_num_batched_tokens, core.describe(),
+                           core.get_stats()))
+    sink = _ShippingSink(events)
+    loop = CoreLoop(core, sink, step_trace, flush=sink.flush)
+    reason: Optional[str] = None
+    try:
+        loop.run(_command_source(commands, idle_wait_s))
+    except BaseException as e:
+        logger.exception("the engine loop died")
+        reason = f"the engine loop died: {e!r}"
+    try:
+        loop.release_all()
+    except Exception:
+        logger.exception("cleaning up the engine after it stopped failed")
+    try:
+        events.send(_Exit(reason))
+    except OSError:
+        pass  # the server's process is gone
+    if step_trace is not None:
+        step_trace.close()
+
+
+class MPAsyncLLMEngine(AsyncLLMEngine):
+    """AsyncLLMEngine's front, with the engine loop in a process of its own."""
+
+    def __init__(self, args: EngineArgs, *, log_stats: Optional[bool] = None,
+                 stats_interval_s: float = STATS_LOG_INTERVAL_S, step_trace_path: Optional[str] = None,
+                 startup_timeout_s: Optional[float] = None) -> None:
+        log_stats = not args.disable_log_stats if log_stats is None else log_stats
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or locks
+        commands_r, self._commands_w = context.Pipe(duplex=False)
+        self._events_r, events_w = context.Pipe(duplex=False)
+        self.process = context.Process(
+            target=run_engine_process, name="tokenweir-engine-core", daemon=True,
+            args=(args, step_trace_path, stats_interval_s if log_stats else None, commands_r, events_w))
+        self.process.start()
+        commands_r.close()
+        events_w.close()  # so the reader sees EOF once the engine process is gone
+        try:
+            if not self._events_r.poll(startup_timeout_s):
+                raise RuntimeError(f"the engine process did not start within {startup_timeout_s} s")
+            info = self._events_r.recv()
+        except EOFError:
+            self.process.join(5)
+            info = _Exit(f"it exited with code {self.process.exitcode}")
+        except BaseException:
+            self.process.kill()
+            raise
+        if not isinstance(info, EngineInfo):
+            self.process.join(5)
+            if info.error is not None:
+                raise info.error
+            raise RuntimeError(f"the engine process did not start: {info.reason}")
+        self.info = info
+        self._deltas = OutputDeltaDecoder()  # the reader thread's
+        self._init_front(info.model_info, info.tokenizer, args, info.max_num_batched_tokens, info.stats,
+                         log_stats, stats_interval_s, time.monotonic)
+        self._thread = threading.Thread(target=self._run, name="tokenweir-engine-reader", daemon=True)
+        self._thread.start()
+
+    def _send(self, command: Command) -> None:
+        try:
+            self._commands_w.send(command)
+        except OSError as e:  # the engine process is gone; the reader is failing everything
+            raise EngineDeadError(f"the engine process is gone: {e!r}") from e
+
+    def shutdown(self) -> None:
+        """Stop the engine process; requests in flight fail with EngineDeadError."""
+        self._submit(ShutdownCommand(), quiet=True)
+        self._thread.join()
+        self.process.join(30)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    # The engine process's sink calls, as the reader replays them: outputs arrive as deltas.
+
+    def on_output(self, output: OutputDelta, now: float) -> None:  # type: ignore[override]
+        super().on_output(self._deltas.decode(output), now)
+
+    def on_expired(self, output: OutputDelta, message: str) -> None:  # type: ignore[override]
+        super().on_expired(self._deltas.decode(output), message)
+
+    def on_failed(self, request_id: str, error: BaseException) -> None:
+        self._deltas.forget(request_id)
+        super().on_failed(request_id, error)
+
+    def _run(self) -> None:
+        """The reader thread: replays the engine's sink calls onto this front, in order."""
+        reason: BaseException
+        try:
+            while True:
+                message = self._events_r.recv()
+                if isinstance(message, _Exit):
+                    reason = EngineDeadError(message.reason or "the engine was shut down")
+                    break
+                for name, call_args in message:
+                    if name not in SINK_METHODS:
+                        raise RuntimeError(f"unknown call {name!r} from the engine process")
+                    getattr(self, name)(*call_args)
+        except EOFError:
+            self.process.join(5)
+            reason = EngineDeadError(f"the engine process exited with code {self.process.exitcode}")
+        except BaseException as e:
+            logger.exception("reading from the engine process failed")
+            reason = EngineDeadError(f"reading from the engine process failed: {e!r}")
+            self.process.kill()
+        self._deltas.clear()
+        self._die(reason)
