@@ -22,6 +22,7 @@ from typing import Optional
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.block_hash import BlockHasher
+from tokenweir.core.composition import CompositionConfig
 from tokenweir.core.policies import SLAConfig
 from tokenweir.core.scheduler import Scheduler
 from tokenweir.request import Request, SamplingParams, SchedulingHints
@@ -136,21 +137,79 @@ def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs"
     start = time.process_time()
     run_steps(sched, steps)
     per_step_ms = (time.process_time() - start) / steps * 1e3
-    profiler = cProfile.Profile()
-    profiler.enable()
-    run_steps(sched, min(steps, 500))
-    profiler.disable()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(8)
-    top = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
-    top = top[top.index("ncalls"):] if "ncalls" in top else top
+    top = profile_top(lambda: run_steps(sched, min(steps, 500)))
     label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
+    options = dict(options or {})
+    composition = options.pop("composition", None)
     if options or long_slot_taken:
         label += " + partial prefills 4/1" + (", long slot taken, all waiting long" if long_slot_taken else "")
+    if composition is not None:
+        label += f", {composition.admission_order} order"
     return {"policy": label,
             "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
             "cpu_ms_per_step": round(per_step_ms, 4),
             "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3), "profile_top": top}
+
+
+def profile_top(run) -> str:
+    """The top of a cProfile of `run()` by own time."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    run()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(8)
+    top = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
+    return top[top.index("ncalls"):] if "ncalls" in top else top
+
+
+CHURN_PREFIXES = 8  # system prompts of the churn case
+CHURN_PREFIX_LEN, CHURN_SUFFIX_LEN = 128, 32
+
+
+def churn_request(i: int) -> Request:
+    """One of CHURN_PREFIXES shared prefixes, a unique suffix, 32 to 95 output tokens."""
+    p = i % CHURN_PREFIXES
+    prompt = [p * 1000 + j for j in range(CHURN_PREFIX_LEN)] + [(i * 7 + j) % 50000 + 10_000
+                                                              for j in range(CHURN_SUFFIX_LEN)]
+    return Request(f"churn-{i}", prompt, SamplingParams(max_tokens=32 + (i * 37) % 64, ignore_eos=True),
+                   arrival_time=i * 1e-3, eos_token_id=2)
+
+
+def measure_churn(num_running: int, num_waiting: int, steps: int, composition: CompositionConfig) -> dict:
+    """256 running and 10,000 waiting, requests finishing and admitted every step (each one
+    replaced by a new arrival outside the timed calls): the admission order chooses every step."""
+    block_size = 16
+    per_req = (CHURN_PREFIX_LEN + CHURN_SUFFIX_LEN + 96) // block_size + 1
+    sched = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=num_running, composition=composition),
+        CacheConfig(block_size=block_size, num_blocks=num_running * per_req + 8 * CHURN_PREFIXES))
+    counter = iter(range(10**9))
+    for _ in range(num_running + num_waiting):
+        sched.add_request(churn_request(next(counter)))
+    now = 20.0
+
+    def run(n: int) -> float:
+        """n steps; the CPU seconds of the scheduler calls among them."""
+        nonlocal now
+        clock = 0.0
+        for _ in range(n):
+            start = time.process_time()
+            out = sched.schedule(now)
+            updates = sched.update_from_output(out, {rid: [7] for rid in out.num_scheduled_tokens}, now)
+            clock += time.process_time() - start
+            for _ in range(sum(1 for u in updates if u.request.is_finished)):
+                sched.add_request(churn_request(next(counter)))
+            now += STEP_S
+        return clock
+
+    run(450)  # through the first admissions into steady churn, and warm
+    per_step_ms = run(steps) / steps * 1e3
+    return {"policy": f"fcfs, churn (8 shared prefixes), {composition.admission_order} order",
+            "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
+            "cpu_ms_per_step": round(per_step_ms, 4),
+            "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3),
+            "profile_top": profile_top(lambda: run(min(steps, 500)))}
 
 
 def measure_hashing(num_blocks: int = 100_000, block_size: int = 16) -> dict:
@@ -176,14 +235,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--cases", nargs="+", default=None,
                         choices=["fcfs", "fcfs-1024", "sla", "sla-tenants", "vtc", "partial-prefills",
-                                 "partial-prefills-passing"])
+                                 "partial-prefills-passing", "cache-aware", "priority-cache-aware", "churn-policy",
+                                 "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped"])
     args = parser.parse_args()
     cases = {"fcfs": lambda: measure(256, 10_000, args.steps), "fcfs-1024": lambda: measure(1024, 0, args.steps // 2),
              "sla": lambda: measure(256, 10_000, args.steps, "sla"),
              "sla-tenants": lambda: measure(256, 10_000, args.steps, "sla", SLAConfig(tenant_fairness=True)),
              "vtc": lambda: measure(256, 10_000, args.steps, "vtc"),
              "partial-prefills": lambda: measure(256, 10_000, args.steps, options=PARTIAL_PREFILLS),
-             "partial-prefills-passing": lambda: measure(256, 10_000, args.steps, long_slot_taken=True)}
+             "partial-prefills-passing": lambda: measure(256, 10_000, args.steps, long_slot_taken=True),
+             "cache-aware": lambda: measure(256, 10_000, args.steps,
+                                            options=dict(composition=CompositionConfig("cache-aware"))),
+             "priority-cache-aware": lambda: measure(256, 10_000, args.steps, "priority",
+                                                     options=dict(composition=CompositionConfig("cache-aware"))),
+             **{f"churn-{order}": (lambda order=order: measure_churn(256, 10_000, args.steps, CompositionConfig(order)))
+                for order in ("policy", "cache-aware", "length-aware", "sampling-grouped")}}
     if args.cases:  # a subset: printed only, the docs stay as the last full run wrote them
         for name in args.cases:
             r = cases[name]()

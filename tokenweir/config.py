@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Union
 
 from tokenweir.checks import is_finite_number, is_integer
+from tokenweir.core.composition import ADMISSION_ORDERS, CompositionConfig
 from tokenweir.core.policies import POLICIES, PolicyConfig, SLAConfig, VTCConfig, parse_tenant_weights
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (core/preemption.py)
@@ -81,6 +82,8 @@ class SchedulerConfig:
     max_long_partial_prefills: int = 1
     # The policy's own knobs (its config_class); None: the policy's defaults.
     policy_config: Optional[PolicyConfig] = None
+    # Admission order within the policy's bands (core/composition.py).
+    composition: CompositionConfig = field(default_factory=CompositionConfig)
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -101,6 +104,8 @@ class SchedulerConfig:
         if self.policy_config is not None and type(self.policy_config) is not expected:
             raise ValueError(f"scheduling policy {self.policy!r} takes a {expected.__name__}, "
                              f"got {type(self.policy_config).__name__}")
+        if not isinstance(self.composition, CompositionConfig):
+            raise ValueError(f"composition must be a CompositionConfig, got {type(self.composition).__name__}")
         if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
             raise ValueError(
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) splits prompts into "
@@ -182,6 +187,7 @@ class CacheConfig:
 
 _SLA = SLAConfig()  # the defaults of the policy knobs below
 _VTC = VTCConfig()
+_COMPOSITION = CompositionConfig()
 
 
 def _sla_field(name: str, help_text: str) -> object:
@@ -259,6 +265,16 @@ class EngineArgs:
         "help": f"vtc: counter units per generated token (default {_VTC.output_weight})"})
     vtc_tenant_weights: Optional[str] = field(default=None, metadata={
         "help": "vtc: tenant shares, 'a=2,b=1' or @file.json ({tenant: weight}); others weigh 1"})
+    # --- batch composition (core/composition.py)
+    admission_order: str = field(default=_COMPOSITION.admission_order, metadata={
+        "help": f"order of admission within the policy's bands (fcfs: all; priority: equal priority; vtc: "
+                f"the tenant served next; sla: none): {' | '.join(ADMISSION_ORDERS)} "
+                f"(default {_COMPOSITION.admission_order})"})
+    admission_max_wait: float = field(default=_COMPOSITION.max_wait, metadata={
+        "help": "seconds after which a waiting request is passed by no later arrival of its band "
+                f"(the aging bound of the admission orders; default {_COMPOSITION.max_wait})"})
+    admission_window: int = field(default=_COMPOSITION.window, metadata={
+        "help": f"requests of a band an admission order chooses among (default {_COMPOSITION.window})"})
     preemption_mode: str = field(default="recompute", metadata={
         "help": "recompute | swap | auto (per victim, by predicted cost; swap needs --swap-space)"})
     watermark: float = field(default=0.0, metadata={
@@ -329,7 +345,9 @@ class EngineArgs:
                                     long_prefill_token_threshold=self.long_prefill_token_threshold,
                                     max_num_partial_prefills=self.max_num_partial_prefills,
                                     max_long_partial_prefills=self.max_long_partial_prefills,
-                                    policy_config=self._policy_config())
+                                    policy_config=self._policy_config(),
+                                    composition=CompositionConfig(self.admission_order, self.admission_max_wait,
+                                                                  self.admission_window))
         return cache, scheduler
 
     def _policy_config(self) -> Optional[PolicyConfig]:

@@ -78,6 +78,13 @@ def test_prefix_requests_share_the_exact_prefix(tokenizer):
     assert all(r.output_len == 8 for r in reqs)
 
 
+def test_prefix_requests_draw_one_of_several_prefixes():
+    reqs = make_prefix_requests(40, 30, 12, 8, 0.0, PromptBuilder(rng()), rng(), num_prefixes=3)
+    prefixes = [tuple(r.prompt_token_ids[:30]) for r in reqs]
+    assert len(set(prefixes)) == 3
+    assert len({tuple(r.prompt_token_ids[30:]) for r in reqs}) == len(reqs)
+
+
 def write_trace(path: Path) -> Path:
     path.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n"
                     "10.0,100,7\n11.0,3000,50\n14.0,20,900\n15.0,5,5\n")

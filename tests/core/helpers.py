@@ -8,6 +8,7 @@ from typing import Callable, Optional, Union
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.block_pool import BlockPool
+from tokenweir.core.composition import CompositionConfig
 from tokenweir.core.cost_model import StepCostModel
 from tokenweir.core.kv_cache_manager import KVCacheManager
 from tokenweir.core.policies import SchedulingPolicy
@@ -22,7 +23,8 @@ def create_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: Optional
                      policy: Union[str, SchedulingPolicy] = "fcfs", enable_chunked_prefill: bool = True,
                      long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
                      watermark: float = 0.0, preemption_mode: str = "recompute", num_host_blocks: int = 0,
-                     kv_block_bytes: int = 0, cost_model: Optional[StepCostModel] = None) -> Scheduler:
+                     kv_block_bytes: int = 0, cost_model: Optional[StepCostModel] = None,
+                     composition: Optional[CompositionConfig] = None) -> Scheduler:
     """A scheduler on tiny limits; `policy` is a registered name or a policy object to inject.
     `max_num_seqs` defaults to 16, or the budget if that is smaller (the budget must cover it).
     Swap preemption needs `num_host_blocks` (and, for `auto`, `kv_block_bytes`)."""
@@ -32,7 +34,8 @@ def create_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: Optional
         SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
                         max_model_len=max_model_len, policy=policy if isinstance(policy, str) else "fcfs",
                         enable_chunked_prefill=enable_chunked_prefill,
-                        long_prefill_token_threshold=long_prefill_token_threshold),
+                        long_prefill_token_threshold=long_prefill_token_threshold,
+                        composition=composition or CompositionConfig()),
         CacheConfig(block_size=block_size, num_blocks=num_blocks,
                     enable_prefix_caching=enable_prefix_caching, watermark=watermark,
                     preemption_mode=preemption_mode, num_host_blocks=num_host_blocks,

@@ -114,12 +114,15 @@ def make_random_requests(num: int, input_len: int, output_len: int, range_ratio:
 
 def make_prefix_requests(num: int, prefix_len: int, suffix_len: int, output_len: int,
                          range_ratio: float, builder: PromptBuilder,
-                         rng: np.random.Generator) -> list[BenchRequest]:
-    """One common prefix (a long system prompt, say) followed by a unique suffix per request."""
-    prefix, prefix_ids = builder.build(prefix_len)
+                         rng: np.random.Generator, num_prefixes: int = 1) -> list[BenchRequest]:
+    """A common prefix (a long system prompt, say) followed by a unique suffix per request;
+    with `num_prefixes`, each request starts with one of that many, drawn at random."""
+    prefixes = [builder.build(prefix_len) for _ in range(num_prefixes)]
     output_lens = sample_lengths(output_len, range_ratio, num, rng)
     requests = []
     for n_out in output_lens:
+        # One prefix draws nothing, so such workloads are the ones the seed always gave.
+        prefix, prefix_ids = prefixes[int(rng.integers(num_prefixes)) if num_prefixes > 1 else 0]
         suffix, suffix_ids = builder.build(suffix_len)
         prompt = f"{prefix} {suffix}"
         # Encode the joined text: with a tokenizer a token may merge across the boundary.

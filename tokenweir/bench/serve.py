@@ -88,6 +88,8 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
                       help="prefix dataset: tokens of the prompt prefix every request shares")
     data.add_argument("--suffix-len", type=int, default=128,
                       help="prefix dataset: tokens of the unique suffix of each request")
+    data.add_argument("--num-prefixes", type=int, default=1,
+                      help="prefix dataset: distinct prefixes (system prompts); each request draws one")
     data.add_argument("--trace-path", type=Path, default=default_trace_path(),
                       help="trace CSV (arrived_at,num_prefill_tokens,num_decode_tokens); "
                            "replays its first --num-prompts rows")
@@ -161,7 +163,7 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer | None) -> Wor
     if args.dataset_name == "prefix":
         requests = make_prefix_requests(n, args.prefix_len, args.suffix_len,
                                         args.random_output_len, args.random_range_ratio,
-                                        builder, rng)
+                                        builder, rng, args.num_prefixes)
     else:
         requests = make_random_requests(n, args.random_input_len, args.random_output_len,
                                         args.random_range_ratio, builder, rng)
@@ -245,6 +247,8 @@ def check_counts(args: argparse.Namespace) -> None:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency must be >= 1 (leave it out for no limit), got {args.max_concurrency}")
+    if args.num_prefixes < 1:
+        raise ValueError(f"--num-prefixes must be >= 1, got {args.num_prefixes}")
 
 
 async def _benchmark(args: argparse.Namespace) -> dict:

@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Sequence
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_control import BatchController, StaticBatchController, StepLimits
 from tokenweir.core.block_hash import BlockHasher
+from tokenweir.core.composition import create_admission_order
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
 from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks, KVCacheManager, PrefixCacheStats, SwapPairs
 from tokenweir.core.policies import SchedulingPolicy, StepServed, create_policy
@@ -154,6 +155,8 @@ class Scheduler:
             StepLimits(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs))
         self.prefill_limits = PartialPrefillLimits.from_config(scheduler_config)
         self.waiting = self.policy.make_waiting_queue()
+        self.admission_order = create_admission_order(scheduler_config.composition, self.kv_cache_manager,
+                                                      self.waiting)
         self.swapped = self.policy.make_waiting_queue()  # swapped out, in the policy's order
         self.running: list[Request] = []  # admission order
         self.requests: dict[str, Request] = {}  # every unfinished request
@@ -266,6 +269,7 @@ class Scheduler:
         if self.prefill_limits is not None:
             step.prefills = self.prefill_limits.begin_step(self.policy, now)
         self.policy.begin_step(now, self.waiting, self.running)
+        self.admission_order.begin_step(now, self.running)
         for request, reason in self.policy.take_expired(now):  # overload shedding (sla)
             request.status_message = reason
             self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED, now)
@@ -286,15 +290,16 @@ class Scheduler:
         if not step.blocks_to_swap_out:
             self._swap_in(step, now)
 
-        # 3. Waiting requests, in policy order, while budget, sequence slots and blocks last. One
-        # that cannot be admitted now keeps its place; the policy says how many may pass it. None
-        # passes a request swapped out before it arrived, which would otherwise wait for good.
+        # 3. Waiting requests, in policy order (within a band, the admission order's), while
+        # budget, sequence slots and blocks last. One that cannot be admitted now keeps its place;
+        # the policy says how many may pass it. None passes a request swapped out before it
+        # arrived, which would otherwise wait for good.
         passed_over: list[Request] = []
         lookahead = self.policy.admission_lookahead()
         while self.waiting and step.budget > 0:
             # Off the queue while deciding: a victim preempted to make room for it goes back to
             # the queue's front, and must not be mistaken for it.
-            request = self.waiting.pop()
+            request = self.admission_order.pop(len(self.running) >= limits.max_num_seqs)
             if not self._swapped_before(request) and self._try_admit(request, step, now):
                 continue
             passed_over.append(request)
@@ -393,7 +398,8 @@ class Scheduler:
         candidates = list(self.running)
         while candidates:
             victim = self.policy.select_victim(candidates, now)
-            if not self.policy.may_preempt(request, victim, now):
+            if not (self.policy.may_preempt(request, victim, now)
+                    and self.admission_order.may_preempt(request, victim)):
                 return None
             candidates.remove(victim)
             victims.append(victim)

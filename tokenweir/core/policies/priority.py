@@ -21,7 +21,8 @@ class PriorityPolicy(SchedulingPolicy):
     name = "priority"
 
     def make_waiting_queue(self) -> RequestQueue:
-        return KeyedQueue(priority_key)
+        # Band: equal priority (composition reorders only among those: core/composition.py).
+        return KeyedQueue(priority_key, band_key=lambda r: r.priority)
 
     def select_victim(self, running: Sequence[Request], now: float) -> Request:
         return max(running, key=priority_key)

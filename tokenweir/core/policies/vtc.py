@@ -8,6 +8,7 @@ admission order, and preempting for it would charge recomputation to nobody and 
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -59,6 +60,21 @@ class TenantQueue(RequestQueue):
 
     def remove(self, request: Request) -> None:
         self._take(request.tenant, request)
+
+    def band(self, limit: int) -> Sequence[Request]:
+        # The tenant VTC serves next: reordering within it leaves the tenants' shares alone.
+        if not self._len:
+            return ()
+        return list(itertools.islice(self._queues[self.counters.min_backlogged()], limit))
+
+    def same_band(self, a: Request, b: Request) -> bool:
+        return a.tenant == b.tenant
+
+    def take(self, request: Request) -> None:
+        tenant = request.tenant
+        self.counters.note_chosen(tenant)
+        queue = self._queues[tenant]
+        self._take(tenant, None if queue[0] is request else request)
 
     def __len__(self) -> int:
         return self._len

@@ -1,0 +1,233 @@
+"""Batch composition: which request of the policy's band is admitted next.
+
+A policy ranks the waiting requests; an admission order reorders only among requests the policy
+ranks alike, a *band* (the waiting queue says which: `RequestQueue.band`):
+- fcfs: one band, the whole queue (arrival order is FCFS's only rule, and the aging bound below
+  is what keeps it);
+- priority: requests of equal `priority`, so a more important request is never passed;
+- vtc: the requests of the tenant VTC serves next, so tenants' shares are untouched;
+- sla: no band: its score sets every request apart (urgency, size, fairness, age), so the
+  orders leave it alone.
+
+Orders (`admission_order`):
+- `policy`: the policy's own order.
+- `cache-aware`: the longest cached prefix first (SGLang's longest prefix match). A request
+  whose first uncached block is the first uncached block of a request chosen earlier in this
+  step goes last: both would compute the same prefix, and one step later it hits.
+- `length-aware`: the uncached prompt length closest to that of the step's first admission.
+- `sampling-grouped`: requests whose kind (greedy or sampled) matches the running batch first,
+  so that greedy requests run together and their steps take the sampler's argmax-only path.
+
+Within a band the order, not arrival, ranks: a waiting request may not preempt a running one of
+its band unless it has waited the bound (priority's arrival tie-break would otherwise undo each
+choice by preempting it again).
+
+Aging bound: a request of the window that has waited `admission_max_wait` seconds goes first,
+the earliest arrival of such requests first; so, once it has waited the bound, no request of its
+band that arrived after it is admitted before it (the property test states it precisely).
+
+Cost: only the first `admission_window` requests of the band are considered, whatever the
+queue's length; a request's cached prefix is remembered and re-validated with two lookups (the
+last hit still cached, the next block still not) instead of a walk over its blocks. Nothing is
+reordered while the batch is full: then admission only preempts, and that is the policy's call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from tokenweir.checks import is_finite_number, is_integer
+from tokenweir.core.block_hash import BlockHash
+from tokenweir.core.kv_cache_manager import KVCacheManager
+from tokenweir.core.queues import RequestQueue
+from tokenweir.request import Request
+
+ADMISSION_ORDERS = ("policy", "cache-aware", "length-aware", "sampling-grouped")
+
+
+@dataclass(frozen=True)
+class CompositionConfig:
+    admission_order: str = "policy"
+    # Seconds: a request that has waited this long is no longer passed by later arrivals.
+    max_wait: float = 30.0
+    window: int = 32  # requests of the band an order chooses among
+
+    def __post_init__(self) -> None:
+        if self.admission_order not in ADMISSION_ORDERS:
+            raise ValueError(f"admission_order must be one of {ADMISSION_ORDERS}, got {self.admission_order!r}")
+        if not is_finite_number(self.max_wait) or self.max_wait < 0:
+            raise ValueError(f"admission_max_wait must be a number of seconds >= 0, got {self.max_wait!r}")
+        if not is_integer(self.window) or self.window < 1:
+            raise ValueError(f"admission_window must be an integer >= 1, got {self.window!r}")
+
+
+class AdmissionOrder:
+    """`policy`: pops in the policy's order. The base of the orders that choose within a band."""
+
+    def __init__(self, config: CompositionConfig, kv_cache_manager: KVCacheManager, waiting: RequestQueue) -> None:
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting = waiting
+        self.now = 0.0
+
+    def begin_step(self, now: float, running: Sequence[Request]) -> None:
+        self.now = now
+
+    def pop(self, batch_full: bool) -> Request:
+        """The next waiting request to try to admit, taken off the queue."""
+        return self.waiting.pop()
+
+    def may_preempt(self, request: Request, victim: Request) -> bool:
+        """Whether the order lets waiting `request` displace running `victim` (the policy must
+        agree too)."""
+        return True
+
+
+class BandOrder(AdmissionOrder):
+    """Chooses within the first `window` requests of the head's band by `key` (smallest first,
+    ties in queue order), except that a request that has waited `max_wait` goes first."""
+
+    def pop(self, batch_full: bool) -> Request:
+        waiting = self.waiting
+        band = () if batch_full else waiting.band(self.config.window)
+        if not band:  # a full batch, or a queue without bands
+            return waiting.pop()
+        chosen = band[0] if len(band) == 1 else self._aged(band) or self.choose(band)
+        waiting.take(chosen)
+        self.chosen(chosen)
+        return chosen
+
+    def may_preempt(self, request: Request, victim: Request) -> bool:
+        # Within a band the order, not arrival, ranks: an earlier arrival preempting the request
+        # chosen before it (priority's tie-break) would undo every choice, at the cost of its
+        # work. Once it has waited the bound, policy order is back.
+        return (not self.waiting.same_band(request, victim)
+                or self.now - request.arrival_time >= self.config.max_wait)
+
+    def _aged(self, band: Sequence[Request]) -> Optional[Request]:
+        horizon = self.now - self.config.max_wait
+        oldest = None
+        for request in band:
+            if request.arrival_time <= horizon and (oldest is None or request.arrival_time < oldest.arrival_time):
+                oldest = request
+        return oldest
+
+    def choose(self, band: Sequence[Request]) -> Request:
+        raise NotImplementedError
+
+    def chosen(self, request: Request) -> None:
+        """Called with every request chosen from a band (the step's state may depend on it)."""
+
+
+class _PrefixMatcher:
+    """Cached prefix blocks of waiting requests, remembered across steps. A remembered count is
+    re-validated by two lookups (its last hit still cached, the block after it still not); only
+    a count that fails that is recomputed. An estimate for ordering: admission looks up again."""
+
+    def __init__(self, kv: KVCacheManager) -> None:
+        self.kv = kv
+        # id -> (request, its preemptions (its tokens change only then), hit blocks, blocks that could hit)
+        self._memo: dict[str, tuple[Request, int, int, int]] = {}
+
+    def match(self, request: Request) -> tuple[int, int]:
+        """(cached blocks, blocks that could hit) of the request's tokens."""
+        memo = self._memo.get(request.request_id)
+        if memo is not None and memo[0] is request and memo[1] == request.num_preemptions:
+            _, _, n, most = memo
+            hashes, cached = request.block_hashes, self.kv.block_pool.cached_block_hash_to_block
+            if (n == 0 or hashes[n - 1] in cached) and (n == most or hashes[n] not in cached):
+                return n, most
+        _, num_tokens = self.kv.get_computed_blocks(request)
+        n = num_tokens // self.kv.block_size
+        most = (request.num_tokens - 1) // self.kv.block_size if self.kv.enable_caching else 0
+        if len(self._memo) > 65536:  # admitted and finished requests' entries, now and then
+            self._memo.clear()
+        self._memo[request.request_id] = (request, request.num_preemptions, n, most)
+        return n, most
+
+
+class CacheAwareOrder(BandOrder):
+    def __init__(self, config: CompositionConfig, kv_cache_manager: KVCacheManager, waiting: RequestQueue) -> None:
+        super().__init__(config, kv_cache_manager, waiting)
+        self.matcher = _PrefixMatcher(kv_cache_manager)
+        self._computing: set[BlockHash] = set()  # first uncached blocks of this step's choices
+
+    def begin_step(self, now: float, running: Sequence[Request]) -> None:
+        super().begin_step(now, running)
+        self._computing.clear()
+
+    def choose(self, band: Sequence[Request]) -> Request:
+        match, computing = self.matcher.match, self._computing
+        best, best_hits = band[0], -1
+        deferred = None  # the first of those that would compute a prefix chosen this step
+        for request in band:
+            n, most = match(request)
+            if n < most and computing and request.block_hashes[n] in computing:
+                if deferred is None:
+                    deferred = request
+            elif n > best_hits:
+                best, best_hits = request, n
+        return best if best_hits >= 0 else deferred
+
+    def chosen(self, request: Request) -> None:
+        n, most = self.matcher.match(request)
+        if n < most:
+            self._computing.add(request.block_hashes[n])
+
+
+class LengthAwareOrder(BandOrder):
+    def __init__(self, config: CompositionConfig, kv_cache_manager: KVCacheManager, waiting: RequestQueue) -> None:
+        super().__init__(config, kv_cache_manager, waiting)
+        self.matcher = _PrefixMatcher(kv_cache_manager)
+        self._reference: Optional[int] = None  # uncached tokens of the step's first admission
+
+    def begin_step(self, now: float, running: Sequence[Request]) -> None:
+        super().begin_step(now, running)
+        self._reference = None
+
+    def _uncached(self, request: Request) -> int:
+        return request.num_tokens - self.matcher.match(request)[0] * self.kv.block_size
+
+    def choose(self, band: Sequence[Request]) -> Request:
+        reference = self._reference
+        if reference is None:
+            return band[0]
+        return min(band, key=lambda r: abs(self._uncached(r) - reference))
+
+    def chosen(self, request: Request) -> None:
+        if self._reference is None:
+            self._reference = self._uncached(request)
+
+
+class SamplingGroupedOrder(BandOrder):
+    def __init__(self, config: CompositionConfig, kv_cache_manager: KVCacheManager, waiting: RequestQueue) -> None:
+        super().__init__(config, kv_cache_manager, waiting)
+        self._greedy: Optional[bool] = None  # whether the batch so far is all greedy; None: empty
+
+    def begin_step(self, now: float, running: Sequence[Request]) -> None:
+        super().begin_step(now, running)
+        self._greedy = all(r.sampling_params.greedy for r in running) if running else None
+
+    def choose(self, band: Sequence[Request]) -> Request:
+        greedy = self._greedy
+        if greedy is None:
+            return band[0]
+        # A mixed batch has lost the fast path: sampled requests join it, so that greedy ones
+        # later run in batches of their own.
+        return min(band, key=lambda r: r.sampling_params.greedy != greedy)
+
+    def chosen(self, request: Request) -> None:
+        greedy = request.sampling_params.greedy
+        self._greedy = greedy if self._greedy is None else self._greedy and greedy
+
+
+_ORDERS: dict[str, type[AdmissionOrder]] = {
+    "policy": AdmissionOrder, "cache-aware": CacheAwareOrder, "length-aware": LengthAwareOrder,
+    "sampling-grouped": SamplingGroupedOrder}
+
+
+def create_admission_order(config: CompositionConfig, kv_cache_manager: KVCacheManager,
+                           waiting: RequestQueue) -> AdmissionOrder:
+    return _ORDERS[config.admission_order](config, kv_cache_manager, waiting)
