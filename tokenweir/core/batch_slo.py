@@ -13,8 +13,10 @@ step is as long as the target allows (the per-step cost is paid once for more ro
   scales the target the prediction aims at (tails the mean-fitted model does not see): down at
   once in proportion to a violation, up by at most `GROWTH` per interval, and only while a
   limit actually held something back;
-- hysteresis: no feedback inside the band [target x (1 - hysteresis), target], and a limit
-  moves only by more than `hysteresis` of itself unless the target is violated.
+- hysteresis: no feedback inside the band [target x (1 - hysteresis), target]; a limit moves
+  only by more than `hysteresis` of itself unless the target is violated; and after a shrink
+  the p99 is taken only over the steps since (the old tail must not shrink it twice), and
+  growth waits until those steps span a whole window.
 
 It shrinks by admitting less: the scheduler treats a lower cap as holding back admissions, and
 the budget never drops below what the running requests need for one token each. It does not
@@ -42,6 +44,9 @@ CORRECTION_GAIN = 0.1
 # (an overshoot costs a violation), shrinking is immediate.
 GROWTH = 0.1
 BIAS_RANGE = (0.1, 4.0)
+# Steps measured since a shrink before the p99 over them may shrink again (a p99 of a handful
+# of steps is their maximum: one noisy step would decide).
+MIN_STEPS = 20
 # Share of the target left to prefill chunks when the sequence cap is full of decode rows;
 # with a TTFT target it moves by RESERVE_STEP per interval up to MAX_RESERVE.
 PREFILL_RESERVE = 0.1
@@ -163,6 +168,7 @@ class SLOBatchController(BatchController):
         self._num_running = 0
         self._kv_cache_usage = 0.0
         self._held_back = False  # since the last adjustment, a limit kept work out of a step
+        self._shrunk_at = -math.inf  # when the feedback last shrank the aimed-at period
 
     # ------------------------------------------------------------------ the scheduler's calls
 
@@ -212,14 +218,15 @@ class SLOBatchController(BatchController):
             self._itl.popleft()
         while self._ttft and self._ttft[0][0] < horizon:
             self._ttft.popleft()
-        self.p99_itl = p99 = weighted_quantile(((p, n) for _, p, n in self._itl), PERCENTILE)
+        since = [(p, n) for t, p, n in self._itl if t > self._shrunk_at]
+        self.p99_itl = p99 = weighted_quantile(since, PERCENTILE) if len(since) >= MIN_STEPS else None
         violated = p99 is not None and p99 > self.target
-        if p99 is not None:
-            if violated:
-                self.bias *= max(0.5, self.target / p99)
-            elif p99 < self.target * (1 - h) and self._held_back:
-                self.bias *= min(1 + GROWTH, self.target * (1 - h / 2) / p99)
-            self.bias = min(BIAS_RANGE[1], max(BIAS_RANGE[0], self.bias))
+        if violated:
+            self.bias = max(BIAS_RANGE[0], self.bias * max(0.5, self.target / p99))
+            self._shrunk_at = now
+        elif (p99 is not None and p99 < self.target * (1 - h) and self._held_back
+              and now - self._shrunk_at >= self.config.window):
+            self.bias = min(BIAS_RANGE[1], self.bias * min(1 + GROWTH, self.target * (1 - h / 2) / p99))
         if self.target_ttft is not None:
             self.p99_ttft = weighted_quantile(((t, 1) for _, t in self._ttft), PERCENTILE)
             if self.p99_ttft is not None:

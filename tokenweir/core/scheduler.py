@@ -379,6 +379,9 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         needs_slot = len(self.running) >= step.limits.max_num_seqs
+        # A cap lowered below the running count (an adaptive batch controller) only holds back
+        # admissions: a request may displace one running request for its slot, never more.
+        slots = max(step.limits.max_num_seqs, len(self.running))
         if not needs_slot:
             if kv.can_allocate(request, num_new, computed, num_hit, apply_watermark=bool(self.running)):
                 return []
@@ -394,7 +397,7 @@ class Scheduler:
                 return None
             candidates.remove(victim)
             victims.append(victim)
-            if (len(self.running) - len(victims) < step.limits.max_num_seqs
+            if (len(self.running) - len(victims) < slots
                     and kv.can_allocate(request, num_new, computed, num_hit, freeing=victims)):
                 return victims
         return None
