@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from tokenweir.config import CacheConfig, SchedulerConfig
+from tokenweir.core.batch_slo import SLOBatchConfig
 from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.policies import SLAConfig
 from tokenweir.core.scheduler import Scheduler
@@ -41,13 +42,20 @@ def mixed_hints(i: int) -> SchedulingHints:
                            deadline=600.0 if i % 10 == 9 else None)
 
 
+# The slo case: a target loose enough for every running request (the cap stays at 256), so
+# the step is the fcfs one plus the controller's feedback and adjustments.
+SLO_BATCH = SLOBatchConfig(target_tpot_ms=60_000.0)
+
+
 def build(num_running: int, num_waiting: int, prompt_len: int = 128, policy: str = "fcfs",
-          policy_config=None) -> Scheduler:
+          policy_config=None, batch_control_config=None) -> Scheduler:
     block_size = 16
     blocks_per_req = (prompt_len + 4096) // block_size + 1  # room to decode for a long time
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=max(2048, num_running), max_num_seqs=num_running,
-                        policy=policy, policy_config=policy_config),
+                        policy=policy, policy_config=policy_config,
+                        batch_controller="static" if batch_control_config is None else "slo",
+                        batch_control_config=batch_control_config),
         CacheConfig(block_size=block_size, num_blocks=num_running * blocks_per_req))
     params = SamplingParams(max_tokens=None, ignore_eos=True)
     for i in range(num_running + num_waiting):
@@ -93,8 +101,12 @@ def settle(sched: Scheduler, max_steps: int = 5000) -> None:
             return
 
 
-def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs", policy_config=None) -> dict:
-    sched = build(num_running, num_waiting, policy=policy, policy_config=policy_config)
+def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs", policy_config=None,
+            batch_control_config=None) -> dict:
+    sched = build(num_running, num_waiting, policy=policy, policy_config=policy_config,
+                  batch_control_config=batch_control_config)
+    if batch_control_config is not None:
+        assert len(sched.running) == num_running, "the slo cap must hold every running request here"
     settle(sched)
     run_steps(sched, 50)  # warm up
     start = time.process_time()
@@ -108,7 +120,10 @@ def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs"
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(8)
     top = "\n".join(line for line in text.getvalue().splitlines() if line.strip())
     top = top[top.index("ncalls"):] if "ncalls" in top else top
-    return {"policy": policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})",
+    label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
+    if batch_control_config is not None:
+        label += ", --batch-controller slo"
+    return {"policy": label,
             "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
             "cpu_ms_per_step": round(per_step_ms, 4),
             "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3), "profile_top": top}
@@ -139,7 +154,8 @@ def main() -> None:
     results = [measure(256, 10_000, args.steps), measure(1024, 0, args.steps // 2)]
     results += [measure(256, 10_000, args.steps, "sla"),
                 measure(256, 10_000, args.steps, "sla", SLAConfig(tenant_fairness=True)),
-                measure(256, 10_000, args.steps, "vtc")]
+                measure(256, 10_000, args.steps, "vtc"),
+                measure(256, 10_000, args.steps, batch_control_config=SLO_BATCH)]
     hashing = measure_hashing()
     machine = f"{platform.processor() or platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
     OUT.mkdir(parents=True, exist_ok=True)
@@ -179,7 +195,12 @@ def main() -> None:
               "allocated per request per step and kept to the step's end (a feedback record, a copy "
               "of the sampled tokens, an empty block list) used to push CPython's collector into "
               "passes over every object of the 10,000 waiting requests, 0.1-0.3 ms per step in the "
-              "policy cases; the step allocates none of them now.", ""]
+              "policy cases; the step allocates none of them now.", "",
+              "`--batch-controller slo` adds to the fcfs step one pass over the step's updates and one "
+              "sum over the running requests' computed tokens (the `StepObservation` it learns from), "
+              "a prediction of that step, and once per adjustment interval (1 s, 50 steps of this "
+              "clock) a sort of the window's step periods and two binary searches over the cost model.",
+              ""]
     for r in results:
         lines += [f"## Profile: {r['policy']}, {r['num_running']} running, {r['num_waiting']} waiting "
                   "(top by own time)",

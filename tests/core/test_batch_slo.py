@@ -156,7 +156,7 @@ def test_noise_does_not_make_the_limits_oscillate():
 
     steady = caps(0.1)
     median = float(np.median(steady))
-    assert min(steady) >= 0.75 * median and max(steady) <= 1.25 * median
+    assert min(steady) >= 0.7 * median and max(steady) <= 1.3 * median  # no drift, no swings
     assert changes(steady) * 3 < changes(caps(0.0))  # what the hysteresis prevents
 
 

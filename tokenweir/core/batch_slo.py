@@ -11,12 +11,17 @@ step is as long as the target allows (the per-step cost is paid once for more ro
 - correct: a running ratio of measured to predicted step periods scales every prediction (the
   profile may be of another machine, or the machine busier); the windowed p99 of measured ITL
   scales the target the prediction aims at (tails the mean-fitted model does not see): down at
-  once in proportion to a violation, up by at most `GROWTH` per interval, and only while a
+  once in proportion to a violation, up by at most `GROWTH` per window, and only while a
   limit actually held something back;
-- hysteresis: no feedback inside the band [target x (1 - hysteresis), target]; a limit moves
-  only by more than `hysteresis` of itself unless the target is violated; and after a shrink
-  the p99 is taken only over the steps since (the old tail must not shrink it twice), and
-  growth waits until those steps span a whole window.
+- hysteresis: no feedback inside the band [target x (1 - hysteresis), target x (1 - hysteresis
+  / 4)] (its top stays below the target, so noise at the top does not cross it); a limit moves
+  only by more than `hysteresis` of itself unless the target is violated; and after the
+  feedback moves, the p99 is taken only over the steps since (an old tail must not shrink it
+  twice), and it grows again only once those steps span a whole window.
+
+The cap grows by at most `GROWTH` per interval over the most requests that actually ran: a
+cap far above the running count (light load) would let a load step fill the batch at once,
+past the target, and it can then only shrink as fast as requests finish.
 
 It shrinks by admitting less: the scheduler treats a lower cap as holding back admissions, and
 the budget never drops below what the running requests need for one token each. It does not
@@ -40,8 +45,9 @@ from tokenweir.core.cost_model import StepComposition, StepCostModel, load_cost_
 # Weight of one step in the measured/predicted ratio: about ten steps of memory, so one noisy
 # step moves the predictions by a tenth of its error.
 CORRECTION_GAIN = 0.1
-# The p99 feedback may grow the aimed-at period by this share per interval: growth is slow
-# (an overshoot costs a violation), shrinking is immediate.
+# The p99 feedback may grow the aimed-at period by this share per window (and the sequence
+# cap grow by it over the running count per interval): growth is slow, as an overshoot costs
+# a violation; shrinking is immediate.
 GROWTH = 0.1
 BIAS_RANGE = (0.1, 4.0)
 # Steps measured since a shrink before the p99 over them may shrink again (a p99 of a handful
@@ -166,9 +172,10 @@ class SLOBatchController(BatchController):
         self._last_end: Optional[float] = None
         self._context_per_request = 0.0
         self._num_running = 0
+        self._peak_running = 0  # since the last adjustment
         self._kv_cache_usage = 0.0
         self._held_back = False  # since the last adjustment, a limit kept work out of a step
-        self._shrunk_at = -math.inf  # when the feedback last shrank the aimed-at period
+        self._moved_at = -math.inf  # when the feedback last moved the aimed-at period
 
     # ------------------------------------------------------------------ the scheduler's calls
 
@@ -203,6 +210,7 @@ class SLOBatchController(BatchController):
         if obs.num_running:
             self._context_per_request = obs.running_context_tokens / obs.num_running
         self._num_running = obs.num_running
+        self._peak_running = max(self._peak_running, obs.num_running)
         self._kv_cache_usage = obs.kv_cache_usage
         limits = self.limits
         if (obs.composition.num_tokens >= limits.max_num_batched_tokens
@@ -218,15 +226,17 @@ class SLOBatchController(BatchController):
             self._itl.popleft()
         while self._ttft and self._ttft[0][0] < horizon:
             self._ttft.popleft()
-        since = [(p, n) for t, p, n in self._itl if t > self._shrunk_at]
+        since = [(p, n) for t, p, n in self._itl if t > self._moved_at]
         self.p99_itl = p99 = weighted_quantile(since, PERCENTILE) if len(since) >= MIN_STEPS else None
-        violated = p99 is not None and p99 > self.target
+        ceiling = self.target * (1 - h / 4)
+        violated = p99 is not None and p99 > ceiling
         if violated:
-            self.bias = max(BIAS_RANGE[0], self.bias * max(0.5, self.target / p99))
-            self._shrunk_at = now
+            self.bias = max(BIAS_RANGE[0], self.bias * max(0.5, ceiling / p99))
+            self._moved_at = now
         elif (p99 is not None and p99 < self.target * (1 - h) and self._held_back
-              and now - self._shrunk_at >= self.config.window):
+              and now - self._moved_at >= self.config.window):
             self.bias = min(BIAS_RANGE[1], self.bias * min(1 + GROWTH, self.target * (1 - h / 2) / p99))
+            self._moved_at = now
         if self.target_ttft is not None:
             self.p99_ttft = weighted_quantile(((t, 1) for _, t in self._ttft), PERCENTILE)
             if self.p99_ttft is not None:
@@ -236,6 +246,8 @@ class SLOBatchController(BatchController):
                     self.prefill_reserve = max(PREFILL_RESERVE, self.prefill_reserve - RESERVE_STEP)
         self._held_back = False
         tokens, seqs = self._choose()
+        seqs = min(seqs, max(self.config.min_num_seqs, math.ceil(self._peak_running * (1 + GROWTH)) + 1))
+        self._peak_running = 0
         current = self.limits
 
         def settle(new: int, old: int) -> int:
