@@ -252,3 +252,19 @@ def test_a_shrinking_cap_holds_back_admissions_and_preempts_nothing(policy):
     # (as at a static cap), never more to get under the lowered cap.
     assert sum(preempted for _, _, preempted, _ in trace) <= (len(late) if policy == "priority" else 0)
     assert_no_leaks(s)
+
+
+def test_a_ttft_target_over_its_p99_moves_step_time_from_decode_rows_to_prefill():
+    def cap_after(ttft):
+        c = _controller(target_ttft_ms=1000.0)
+        now = 0.0
+        for _ in range(300):
+            limits = c.get_limits(now)
+            now += 0.05
+            obs = _observe(now, limits.max_num_seqs, 200)
+            c.on_step(StepObservation(**{**{f: getattr(obs, f) for f in obs.__slots__}, "ttfts": (ttft,)}))
+        return c.prefill_reserve, c.get_limits(now + 1).max_num_seqs
+
+    (relaxed_reserve, relaxed_cap), (urgent_reserve, urgent_cap) = cap_after(0.5), cap_after(3.0)
+    assert relaxed_reserve == pytest.approx(0.1) and urgent_reserve == pytest.approx(0.5)
+    assert urgent_cap < relaxed_cap

@@ -160,7 +160,7 @@ class SLOBatchController(BatchController):
         self.correction = 1.0  # measured / predicted step period
         self.bias = 1.0  # the aimed-at period, as a share of the target
         self.prefill_reserve = PREFILL_RESERVE
-        self.p99_itl: Optional[float] = None  # of the window, at the last adjustment
+        self.p99_itl: Optional[float] = None  # at the last adjustment: of the steps since the last move
         self.p99_ttft: Optional[float] = None
         self.limits = StepLimits(config.initial_num_batched_tokens or max(config.min_num_batched_tokens,
                                                                           config.initial_num_seqs or 1),
