@@ -185,16 +185,19 @@ def serve_and_bench(engine_flags: list[str], workload: list[str], work: Path, na
 def confirm_real(ns: argparse.Namespace) -> None:
     sim = json.loads(ns.output.read_text())
     work = Path(tempfile.mkdtemp(prefix="batching-slo-"))
-    real: dict[str, Any] = {"num_prompts": ns.num_prompts, "rates": []}
+    real: dict[str, Any] = {"num_prompts": ns.num_prompts, "rates": [],
+                            "command": " ".join(["python", "benchmarks/batching_slo.py", *sys.argv[1:]])}
     for scale in map(float, ns.rate_scales.split(",")):
-        best = next(r["best_static"] for r in sim["rates"] if r["rate_scale"] == scale)
+        # The best static of the simulation at this rate, else at its highest rate.
+        simulated = [r for r in sim["rates"] if r["rate_scale"] == scale] or sim["rates"][-1:]
+        best = simulated[0]["best_static"]
         workload = ["--dataset-name", "trace", "--trace-path", str(TRACE), "--num-prompts", str(ns.num_prompts),
                     "--rate-scale", f"{scale:g}", "--max-input-len", str(ns.max_input_len),
                     "--max-output-len", str(ns.max_output_len), "--percentile-metrics", "ttft,tpot,itl",
                     "--metric-percentiles", "50,99"]
         static = ["--max-num-batched-tokens", str(best["max_num_batched_tokens"]),
                   "--max-num-seqs", str(best["max_num_seqs"])]
-        entry = {"rate_scale": scale,
+        entry = {"rate_scale": scale, "static_from_simulated_rate_scale": simulated[0]["rate_scale"],
                  "slo": serve_and_bench(["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}"],
                                         workload, work, f"slo-{scale:g}"),
                  "static": serve_and_bench(static, workload, work, f"static-{scale:g}")}
