@@ -99,9 +99,9 @@ def _observe(now, decode_rows, context_per_row, *, waiting=10, kv=0.1, tokens=No
     return StepObservation(now, comp, decode_rows, (), decode_rows, waiting, decode_rows * context_per_row, kv)
 
 
-def _drive(controller, world, steps, rows_of=lambda limits: limits.max_num_seqs, context=200):
+def _drive(controller, world, steps, rows_of=lambda limits: limits.max_num_seqs, context=200, start=0.0):
     """Steps back to back: each lasts what `world` says for the limits the controller gave."""
-    now, history = 0.0, []
+    now, history = start, []
     for i in range(steps):
         limits = controller.get_limits(now)
         rows = rows_of(limits)
@@ -268,3 +268,13 @@ def test_a_ttft_target_over_its_p99_moves_step_time_from_decode_rows_to_prefill(
     (relaxed_reserve, relaxed_cap), (urgent_reserve, urgent_cap) = cap_after(0.5), cap_after(3.0)
     assert relaxed_reserve == pytest.approx(0.1) and urgent_reserve == pytest.approx(0.5)
     assert urgent_cap < relaxed_cap
+
+
+def test_the_cap_stays_near_the_requests_that_ran_under_light_load():
+    # Three requests run where the model would allow 17: a load step must not find room for 17
+    # at once (the cap could then only shrink as fast as requests finish).
+    c = _controller(initial_num_seqs=3, initial_num_batched_tokens=64)
+    history = _drive(c, lambda i, comp: MODEL.predict(comp), 200, rows_of=lambda limits: 3)
+    assert all(limits.max_num_seqs <= 5 for _, limits in history)
+    history = _drive(c, lambda i, comp: MODEL.predict(comp), 400, start=history[-1][0])  # load: it grows
+    assert history[-1][1].max_num_seqs > 10
