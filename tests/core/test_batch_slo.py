@@ -12,7 +12,7 @@ from tests.core.helpers import PagedFakeRunner, assert_no_leaks, make_request, r
 from tests.sim.helpers import cost_model
 from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig
 from tokenweir.core.batch_control import BatchController, StepLimits, StepObservation
-from tokenweir.core.batch_controllers import BATCH_CONTROLLERS, create_batch_controller
+from tokenweir.core.batch_controllers import BATCH_CONTROLLERS
 from tokenweir.core.batch_slo import SLOBatchConfig, SLOBatchController, weighted_quantile
 from tokenweir.core.cost_model import StepComposition, step_composition
 from tokenweir.core.scheduler import Scheduler

@@ -24,24 +24,25 @@ def _requests(n=400, rate=6.0, seed=0):
 
 
 def _run(**engine):
-    sim = Simulator.from_engine_args(EngineArgs(**{"max_num_batched_tokens": 1024, "max_num_seqs": 128, "num_gpu_blocks_override": 4000, **engine}), MODEL)
+    args = EngineArgs(**{"max_num_batched_tokens": 1024, "max_num_seqs": 128, "num_gpu_blocks_override": 4000,
+                         **engine})
+    sim = Simulator.from_engine_args(args, MODEL)
     result = sim.run(_requests())
     assert_no_leaks(sim.scheduler)
     assert result.num_preemptions == 0
-    m = metrics_to_dict(compute_metrics(result.records, result.duration_s, (99,)), ["tpot", "itl"])
-    return sim, m
+    return metrics_to_dict(compute_metrics(result.records, result.duration_s, (99,)), ["tpot", "itl"])
 
 
 def test_slo_meets_the_target_at_no_less_throughput_than_the_static_caps_that_do():
-    sim, slo = _run(batch_controller="slo", target_tpot_ms=TARGET_MS, batch_control_window=5.0)
+    slo = _run(batch_controller="slo", target_tpot_ms=TARGET_MS, batch_control_window=5.0)
     assert slo['p99_tpot_ms'] <= TARGET_MS
     meeting = []
     for seqs in (4, 8, 16, 32, 64):
-        _, static = _run(max_num_seqs=seqs)
+        static = _run(max_num_seqs=seqs)
         if static['p99_tpot_ms'] <= TARGET_MS:
             meeting.append(static['request_throughput'])
     assert meeting, "no static cap meets the target: the workload does not test the controller"
     assert slo['request_throughput'] >= max(meeting)
     # The default (static, 128 seqs) overshoots the target on this load: the controller did work.
-    _, default = _run()
+    default = _run()
     assert default['p99_tpot_ms'] > TARGET_MS
