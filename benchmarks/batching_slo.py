@@ -185,8 +185,8 @@ def serve_and_bench(engine_flags: list[str], workload: list[str], work: Path, na
 def confirm_real(ns: argparse.Namespace) -> None:
     sim = json.loads(ns.output.read_text())
     work = Path(tempfile.mkdtemp(prefix="batching-slo-"))
-    real: dict[str, Any] = {"num_prompts": ns.num_prompts, "rates": [],
-                            "command": " ".join(["python", "benchmarks/batching_slo.py", *sys.argv[1:]])}
+    # Runs of other rates (an earlier command) are kept: each entry says how it was made.
+    real: dict[str, Any] = sim.get("real", {"rates": []})
     for scale in map(float, ns.rate_scales.split(",")):
         # The best static of the simulation at this rate, else at its highest rate.
         simulated = [r for r in sim["rates"] if r["rate_scale"] == scale] or sim["rates"][-1:]
@@ -197,11 +197,13 @@ def confirm_real(ns: argparse.Namespace) -> None:
                     "--metric-percentiles", "50,99"]
         static = ["--max-num-batched-tokens", str(best["max_num_batched_tokens"]),
                   "--max-num-seqs", str(best["max_num_seqs"])]
-        entry = {"rate_scale": scale, "static_from_simulated_rate_scale": simulated[0]["rate_scale"],
+        entry = {"rate_scale": scale, "num_prompts": ns.num_prompts,
+                 "command": " ".join(["python", "benchmarks/batching_slo.py", *sys.argv[1:]]),
+                 "static_from_simulated_rate_scale": simulated[0]["rate_scale"],
                  "slo": serve_and_bench(["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}"],
                                         workload, work, f"slo-{scale:g}"),
                  "static": serve_and_bench(static, workload, work, f"static-{scale:g}")}
-        real["rates"].append(entry)
+        real["rates"] = [r for r in real["rates"] if r["rate_scale"] != scale] + [entry]
         print(json.dumps(entry, indent=1), file=sys.stderr)
     sim["real"] = real
     ns.output.write_text(json.dumps(sim, indent=1) + "\n")
