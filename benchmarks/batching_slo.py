@@ -270,6 +270,8 @@ def main() -> None:
     step["series"] = series
     result["step"] = step
     plot(series, change_at, ns.target_tpot_ms, OUT / "batching_plots" / "slo_step.png")
+    if ns.output.exists():  # the real-engine runs of `--real` stay
+        result["real"] = json.loads(ns.output.read_text()).get("real", {"rates": []})
     ns.output.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in step.items() if k != "series"}, indent=1))
 

@@ -259,9 +259,10 @@ def test_a_ttft_target_over_its_p99_moves_step_time_from_decode_rows_to_prefill(
         c = _controller(target_ttft_ms=1000.0)
         now = 0.0
         for _ in range(300):
-            limits = c.get_limits(now)
-            now += 0.05
-            obs = _observe(now, limits.max_num_seqs, 200)
+            rows = c.get_limits(now).max_num_seqs
+            now += MODEL.predict(StepComposition(num_decode_seqs=rows, decode_context_tokens=200 * rows,
+                                                 num_sampled=rows))
+            obs = _observe(now, rows, 200)
             c.on_step(StepObservation(**{**{f: getattr(obs, f) for f in obs.__slots__}, "ttfts": (ttft,)}))
         return c.prefill_reserve, c.get_limits(now + 1).max_num_seqs
 
@@ -278,3 +279,9 @@ def test_the_cap_stays_near_the_requests_that_ran_under_light_load():
     assert all(limits.max_num_seqs <= 5 for _, limits in history)
     history = _drive(c, lambda i, comp: MODEL.predict(comp), 400, start=history[-1][0])  # load: it grows
     assert history[-1][1].max_num_seqs > 10
+
+
+def test_the_correction_reaches_a_device_far_faster_than_the_profile():
+    c = _controller()
+    _drive(c, lambda i, comp: MODEL.predict(comp) / 200, 400)
+    assert c.correction == pytest.approx(1 / 200, rel=0.05)

@@ -201,8 +201,10 @@ class SLOBatchController(BatchController):
         self._last_end = obs.now
         predicted = self.cost_model.predict(obs.composition)
         if predicted > 0 and period > 0:
-            ratio = min(10.0, max(0.1, period / predicted))
-            self.correction += CORRECTION_GAIN * (ratio - self.correction)
+            # Bounded around the current ratio, not absolutely: one outlier moves it little, yet
+            # it reaches any scale (a GPU against the shipped CPU profile) within some steps.
+            c = self.correction
+            self.correction += CORRECTION_GAIN * (min(10 * c, max(c / 10, period / predicted)) - c)
         if continued:
             self._itl.append((obs.now, period, obs.num_itl_rows))
         for ttft in obs.ttfts:
