@@ -276,8 +276,12 @@ class SLOBatchController(BatchController):
                        lambda s: seconds(s, 0) <= period * (1 - self.prefill_reserve))
         if 1 - self._kv_cache_usage <= self.watermark + MEMORY_MARGIN:
             seqs = min(seqs, max(cfg.min_num_seqs, self.limits.max_num_seqs))
+        # The budget fills the period for the decode rows there are (a full cap's worth would
+        # leave the prompts waiting behind fewer rows a too small budget); re-decided each
+        # interval as the batch grows.
+        rows = min(seqs, max(self._num_running, 1))
         low = max(cfg.min_num_batched_tokens, seqs)
-        tokens = largest(low, top.max_num_batched_tokens, lambda b: seconds(seqs, b - seqs) <= period)
+        tokens = largest(low, top.max_num_batched_tokens, lambda b: seconds(rows, b - rows) <= period)
         # Never fewer tokens than the running requests need to decode one each.
         tokens = max(tokens, min(top.max_num_batched_tokens, self._num_running))
         return tokens, seqs
