@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Optional
 
 from tokenweir.config import CacheConfig, SchedulerConfig
+from tokenweir.core.batch_slo import SLOBatchConfig
 from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.composition import CompositionConfig
 from tokenweir.core.policies import SLAConfig
@@ -45,6 +46,9 @@ def mixed_hints(i: int) -> SchedulingHints:
 
 # Concurrent partial prefills on (core/prefill_limits.py): prompts of 128 tokens are long.
 PARTIAL_PREFILLS = dict(max_num_partial_prefills=4, max_long_partial_prefills=1, long_prefill_token_threshold=64)
+# The slo case: a target loose enough for every running request (the cap stays at 256), so
+# the step is the fcfs one plus the controller's feedback and adjustments.
+SLO_BATCH = dict(batch_controller="slo", batch_control_config=SLOBatchConfig(target_tpot_ms=60_000.0))
 
 
 def build(num_running: int, num_waiting: int, prompt_len: int = 128, policy: str = "fcfs",
@@ -132,6 +136,8 @@ def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs"
         sched = build_long_slot_taken(num_running, num_waiting, steps)
     else:
         sched = build(num_running, num_waiting, policy=policy, policy_config=policy_config, options=options)
+    if options is not None and "batch_controller" in options:
+        assert len(sched.running) == num_running, "the slo cap must hold every running request here"
     settle(sched)
     run_steps(sched, 50)  # warm up
     start = time.process_time()
@@ -141,6 +147,9 @@ def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs"
     label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
     options = dict(options or {})
     composition = options.pop("composition", None)
+    if options.pop("batch_controller", None) is not None:
+        label += ", --batch-controller slo"
+        options.pop("batch_control_config")
     if options or long_slot_taken:
         label += " + partial prefills 4/1" + (", long slot taken, all waiting long" if long_slot_taken else "")
     if composition is not None:
@@ -234,7 +243,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--cases", nargs="+", default=None,
-                        choices=["fcfs", "fcfs-1024", "sla", "sla-tenants", "vtc", "partial-prefills",
+                        choices=["fcfs", "fcfs-1024", "sla", "sla-tenants", "vtc", "slo", "partial-prefills",
                                  "partial-prefills-passing", "cache-aware", "priority-cache-aware", "churn-policy",
                                  "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped"])
     args = parser.parse_args()
@@ -242,6 +251,7 @@ def main() -> None:
              "sla": lambda: measure(256, 10_000, args.steps, "sla"),
              "sla-tenants": lambda: measure(256, 10_000, args.steps, "sla", SLAConfig(tenant_fairness=True)),
              "vtc": lambda: measure(256, 10_000, args.steps, "vtc"),
+             "slo": lambda: measure(256, 10_000, args.steps, options=SLO_BATCH),
              "partial-prefills": lambda: measure(256, 10_000, args.steps, options=PARTIAL_PREFILLS),
              "partial-prefills-passing": lambda: measure(256, 10_000, args.steps, long_slot_taken=True),
              "cache-aware": lambda: measure(256, 10_000, args.steps,
@@ -299,7 +309,12 @@ def main() -> None:
               "allocated per request per step and kept to the step's end (a feedback record, a copy "
               "of the sampled tokens, an empty block list) used to push CPython's collector into "
               "passes over every object of the 10,000 waiting requests, 0.1-0.3 ms per step in the "
-              "policy cases; the step allocates none of them now.", ""]
+              "policy cases; the step allocates none of them now.", "",
+              "`--batch-controller slo` adds to the fcfs step one pass over the step's updates and one "
+              "sum over the running requests' computed tokens (the `StepObservation` it learns from), "
+              "a prediction of that step, and once per adjustment interval (1 s, 50 steps of this "
+              "clock) a sort of the window's step periods and two binary searches over the cost model.",
+              ""]
     for r in results:
         lines += [f"## Profile: {r['policy']}, {r['num_running']} running, {r['num_waiting']} waiting "
                   "(top by own time)",

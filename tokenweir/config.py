@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.core.composition import ADMISSION_ORDERS, CompositionConfig
+from tokenweir.core.batch_controllers import SLOBatchConfig, check_batch_control
 from tokenweir.core.policies import POLICIES, PolicyConfig, SLAConfig, VTCConfig, parse_tenant_weights
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (core/preemption.py)
@@ -84,6 +85,10 @@ class SchedulerConfig:
     policy_config: Optional[PolicyConfig] = None
     # Admission order within the policy's bands (core/composition.py).
     composition: CompositionConfig = field(default_factory=CompositionConfig)
+    # Who sets each step's limits (core/batch_controllers.py) and its knobs; the two limits
+    # above are then the upper bounds.
+    batch_controller: str = "static"
+    batch_control_config: Optional[SLOBatchConfig] = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -106,6 +111,13 @@ class SchedulerConfig:
                              f"got {type(self.policy_config).__name__}")
         if not isinstance(self.composition, CompositionConfig):
             raise ValueError(f"composition must be a CompositionConfig, got {type(self.composition).__name__}")
+        check_batch_control(self.batch_controller, self.batch_control_config)
+        if self.batch_control_config is not None:
+            self.batch_control_config.check_bounds(self.max_num_batched_tokens, self.max_num_seqs)
+            if not self.enable_chunked_prefill:
+                raise ValueError(f"batch_controller {self.batch_controller!r} lowers the token budget below "
+                                 "max_num_batched_tokens, which a prompt must then be chunked to fit: "
+                                 "enable chunked prefill")
         if not self.enable_chunked_prefill and self.long_prefill_token_threshold:
             raise ValueError(
                 f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) splits prompts into "
@@ -188,6 +200,13 @@ class CacheConfig:
 _SLA = SLAConfig()  # the defaults of the policy knobs below
 _VTC = VTCConfig()
 _COMPOSITION = CompositionConfig()
+_SLO_BATCH = SLOBatchConfig(target_tpot_ms=1.0)  # the defaults of the slo batch knobs
+
+
+def _slo_batch_field(name: str, help_text: str) -> object:
+    """An engine arg for SLOBatchConfig.<name>: None unless set (it is refused with `static`),
+    documented with its default there."""
+    return field(default=None, metadata={"help": f"slo: {help_text} (default {getattr(_SLO_BATCH, name)})"})
 
 
 def _sla_field(name: str, help_text: str) -> object:
@@ -275,6 +294,24 @@ class EngineArgs:
                 f"(the aging bound of the admission orders; default {_COMPOSITION.max_wait})"})
     admission_window: int = field(default=_COMPOSITION.window, metadata={
         "help": f"requests of a band an admission order chooses among (default {_COMPOSITION.window})"})
+    # --- batch control: who sets each step's token budget and sequence cap
+    batch_controller: str = field(default="static", metadata={
+        "help": "static (the max_* limits) | slo (adapts both within [min, max] to keep the windowed "
+                "p99 ITL/TPOT under --target-tpot-ms; the max_* limits are the upper bounds)"})
+    target_tpot_ms: Optional[float] = field(default=None, metadata={
+        "help": "slo: target of the windowed p99 of inter-token latency / TPOT, ms (required with slo)"})
+    target_ttft_ms: Optional[float] = field(default=None, metadata={
+        "help": "slo: optional target of the windowed p99 TTFT, ms: over it, steps leave more room to prefill"})
+    min_num_batched_tokens: Optional[int] = _slo_batch_field("min_num_batched_tokens", "lowest token budget")
+    min_num_seqs: Optional[int] = _slo_batch_field("min_num_seqs", "lowest sequence cap")
+    initial_num_batched_tokens: Optional[int] = field(default=None, metadata={
+        "help": "slo: token budget until the first adjustment (default: the cost model's choice)"})
+    initial_num_seqs: Optional[int] = field(default=None, metadata={
+        "help": "slo: sequence cap until the first adjustment (default: the cost model's choice)"})
+    batch_control_window: Optional[float] = _slo_batch_field("window", "seconds of steps the p99 is taken over")
+    batch_control_interval: Optional[float] = _slo_batch_field("interval", "seconds between adjustments")
+    batch_control_hysteresis: Optional[float] = _slo_batch_field(
+        "hysteresis", "share below the target where nothing changes, and the least relative move of a limit")
     preemption_mode: str = field(default="recompute", metadata={
         "help": "recompute | swap | auto (per victim, by predicted cost; swap needs --swap-space)"})
     watermark: float = field(default=0.0, metadata={
@@ -347,8 +384,29 @@ class EngineArgs:
                                     max_long_partial_prefills=self.max_long_partial_prefills,
                                     policy_config=self._policy_config(),
                                     composition=CompositionConfig(self.admission_order, self.admission_max_wait,
-                                                                  self.admission_window))
+                                                                  self.admission_window),
+                                    batch_controller=self.batch_controller,
+                                    batch_control_config=self._batch_control_config())
         return cache, scheduler
+
+    _SLO_BATCH_ARGS = {"min_num_batched_tokens": "min_num_batched_tokens", "min_num_seqs": "min_num_seqs",
+                       "initial_num_batched_tokens": "initial_num_batched_tokens",
+                       "initial_num_seqs": "initial_num_seqs", "batch_control_window": "window",
+                       "batch_control_interval": "interval", "batch_control_hysteresis": "hysteresis",
+                       "target_ttft_ms": "target_ttft_ms"}
+
+    def _batch_control_config(self) -> Optional[SLOBatchConfig]:
+        given = {arg: getattr(self, arg) for arg in ("target_tpot_ms", *self._SLO_BATCH_ARGS)
+                 if getattr(self, arg) is not None}
+        if self.batch_controller != "slo":
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to batch_controller 'slo', "
+                                 f"not {self.batch_controller!r}")
+            return None
+        if self.target_tpot_ms is None:
+            raise ValueError("batch_controller 'slo' needs target_tpot_ms (the p99 ITL/TPOT to keep under)")
+        return SLOBatchConfig(target_tpot_ms=self.target_tpot_ms,
+                              **{knob: given[arg] for arg, knob in self._SLO_BATCH_ARGS.items() if arg in given})
 
     def _policy_config(self) -> Optional[PolicyConfig]:
         """The knobs of the chosen policy (None: a policy without knobs takes its defaults)."""

@@ -158,6 +158,10 @@ class EngineMetrics:
         self.num_blocks_swapped_out = counter("num_blocks_swapped_out", "KV blocks copied to host memory.")
         self.num_blocks_swapped_in = counter("num_blocks_swapped_in", "KV blocks copied back from host memory.")
         self.cpu_cache_usage_perc = gauge("cpu_cache_usage_perc", "Swap space usage; 1 means 100 percent.")
+        self.batch_max_num_batched_tokens = gauge(
+            "batch_max_num_batched_tokens", "Token budget of the latest step (the batch controller's choice).")
+        self.batch_max_num_seqs = gauge(
+            "batch_max_num_seqs", "Running-sequence cap of the latest step (the batch controller's choice).")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of requests whose prefill completed.")
         self.generation_tokens = counter("generation_tokens", "Generated tokens.")
         self._request_success = Counter(
@@ -194,6 +198,9 @@ class EngineMetrics:
         self.num_requests_swapped.set(stats.num_swapped)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
         self.cpu_cache_usage_perc.set(stats.swap_space_usage or 0.0)
+        if stats.batch_limits is not None:
+            self.batch_max_num_batched_tokens.set(stats.batch_limits.max_num_batched_tokens)
+            self.batch_max_num_seqs.set(stats.batch_limits.max_num_seqs)
         growth = self._growth.take(queries=stats.prefix_cache.queries, hits=stats.prefix_cache.hits,
                                    swapped_out=stats.num_blocks_swapped_out, swapped_in=stats.num_blocks_swapped_in,
                                    **stats.num_preemptions_by_mode)
@@ -290,6 +297,10 @@ class StatsLogger:
                          "Blocks swapped out/in: %d/%d")
                 args += [100 * stats.swap_space_usage, growth.get("recompute", 0), growth.get("swap", 0),
                          growth["swapped_out"], growth["swapped_in"]]
+            if stats.batch_controller != "static" and stats.batch_limits is not None:  # its decisions
+                line += ", Batch limits (%s): %d tokens, %d seqs"
+                args += [stats.batch_controller, stats.batch_limits.max_num_batched_tokens,
+                         stats.batch_limits.max_num_seqs]
             logger.info(line, *args)
         self._logged_idle = idle
         self._window = _Window(now)

@@ -3,14 +3,23 @@
 The scheduler asks its controller for the limits of every step instead of reading two numbers
 from its config, so a controller can vary them (an SLO-driven one grows or shrinks the batch)
 without touching the scheduler loop. `static` is vLLM's behaviour: the configured numbers.
+A controller that adapts also sees what every step did (`on_step`, a `StepObservation`); time
+and measurements enter only as arguments, so the simulator runs it unchanged.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from tokenweir.checks import is_integer
+from tokenweir.core.cost_model import StepComposition, StepCostModel
+
+if TYPE_CHECKING:
+    from tokenweir.core.scheduler import RequestUpdate, SchedulerOutput
+    from tokenweir.request import Request
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,18 +37,78 @@ class StepLimits:
                              f">= max_num_seqs ({self.max_num_seqs})")
 
 
+@dataclass(frozen=True, slots=True)
+class StepObservation:
+    """What one step did, as the scheduler saw it when the step's results came back at `now`."""
+
+    now: float
+    # The step's composition, from counts only (a per-request composition would cost more than
+    # the controller's whole step): prefill chunks are taken to start at position 0.
+    composition: StepComposition
+    num_itl_rows: int  # requests that received a token after their first: each waited one ITL
+    ttfts: Sequence[float]  # seconds from arrival, of the requests whose first token came now
+    num_running: int
+    num_waiting: int
+    running_context_tokens: int  # computed tokens of the running requests, after the step
+    kv_cache_usage: float  # 0..1
+
+
+def observe_step(out: SchedulerOutput, updates: Sequence[RequestUpdate], running: Sequence[Request],
+                 num_waiting: int, kv_cache_usage: float, now: float) -> StepObservation:
+    num_itl = 0
+    ttfts: list[float] = []
+    for update in updates:
+        request = update.request
+        if request.num_output_tokens > len(update.new_token_ids):
+            num_itl += 1
+        else:
+            ttfts.append(now - request.arrival_time)
+    num_seqs = len(out.num_scheduled_tokens)
+    prefill_seqs = max(0, num_seqs - num_itl)
+    prefill_tokens = max(0, out.total_num_scheduled_tokens - num_itl)
+    chunk = prefill_tokens // prefill_seqs if prefill_seqs else 0
+    comp = StepComposition(num_prefill_tokens=prefill_tokens, num_prefill_seqs=prefill_seqs,
+                           num_decode_seqs=num_itl,
+                           decode_context_tokens=sum(r.num_computed_tokens for r in running),
+                           prefill_attention_pairs=prefill_seqs * chunk * (chunk + 1) // 2,
+                           num_sampled=len(updates))
+    return StepObservation(now, comp, num_itl, ttfts, len(running), num_waiting,
+                           comp.decode_context_tokens, kv_cache_usage)
+
+
 class BatchController(ABC):
     """Chooses each step's limits. Time and measurements enter only as arguments."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[Optional[type]] = None  # its knobs (a dataclass); None: it has none
+
+    @classmethod
+    def from_config(cls, config: Any, limits: StepLimits, cost_model: Optional[StepCostModel],
+                    watermark: float) -> BatchController:
+        """Built by the registry (`core/batch_controllers.py`) within `limits`, the configured
+        maxima; `cost_model` may be None (the scheduler has none)."""
+        raise NotImplementedError(f"batch controller {cls.__name__} cannot be built by name")
 
     @abstractmethod
     def get_limits(self, now: float) -> StepLimits:
         """The limits of the step being scheduled; never above the configured maxima. A lower
         sequence cap only holds back admissions: running requests are never preempted for it."""
 
+    def on_step(self, observation: StepObservation) -> None:
+        """A step's results came back (not called for a failed step). The scheduler builds the
+        observation only for a controller that overrides this."""
+
 
 class StaticBatchController(BatchController):
+    name = "static"
+
     def __init__(self, limits: StepLimits) -> None:
         self.limits = limits
+
+    @classmethod
+    def from_config(cls, config: None, limits: StepLimits, cost_model: Optional[StepCostModel],
+                    watermark: float) -> StaticBatchController:
+        return cls(limits)
 
     def get_limits(self, now: float) -> StepLimits:
         return self.limits

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional, Sequence
 
 from tokenweir.config import CacheConfig, SchedulerConfig
-from tokenweir.core.batch_control import BatchController, StaticBatchController, StepLimits
+from tokenweir.core.batch_control import BatchController, StepLimits, observe_step
+from tokenweir.core.batch_controllers import create_batch_controller
 from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.composition import create_admission_order
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
@@ -92,6 +93,8 @@ class SchedulerStats:
     num_blocks_swapped_out: int = 0  # cumulative copies
     num_blocks_swapped_in: int = 0
     swap_space_usage: Optional[float] = None  # 0..1 of the host tier; None without one
+    batch_controller: str = "static"
+    batch_limits: Optional[StepLimits] = None  # of the latest step; None before the first
 
 
 @dataclass
@@ -151,8 +154,13 @@ class Scheduler:
         # Likewise the search for victims on admission, for a policy that never lets a waiting
         # request preempt (fcfs, vtc): it would be refused victim after victim.
         self._policy_preempts = type(self.policy).may_preempt is not SchedulingPolicy.may_preempt
-        self.batch_controller = batch_controller or StaticBatchController(
-            StepLimits(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs))
+        self.batch_controller = batch_controller or create_batch_controller(
+            scheduler_config.batch_controller, scheduler_config.batch_control_config,
+            StepLimits(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs),
+            cost_model=cost_model, watermark=cache_config.watermark)
+        # Only a controller that adapts is told what each step did (it costs a pass over the step).
+        self._controller_observes = type(self.batch_controller).on_step is not BatchController.on_step
+        self.step_limits: Optional[StepLimits] = None  # of the latest step, for the stats
         self.prefill_limits = PartialPrefillLimits.from_config(scheduler_config)
         self.waiting = self.policy.make_waiting_queue()
         self.admission_order = create_admission_order(scheduler_config.composition, self.kv_cache_manager,
@@ -256,7 +264,8 @@ class Scheduler:
                               num_preemptions_by_mode=dict(self.num_preemptions_by_mode),
                               num_blocks_swapped_out=self.num_blocks_swapped_out,
                               num_blocks_swapped_in=self.num_blocks_swapped_in,
-                              swap_space_usage=kv.get_host_usage())
+                              swap_space_usage=kv.get_host_usage(),
+                              batch_controller=self.batch_controller.name, batch_limits=self.step_limits)
 
     # ------------------------------------------------------------------ one step
 
@@ -321,6 +330,7 @@ class Scheduler:
             raise ValueError(f"the batch controller's {limits} exceed the configured maxima "
                              f"(max_num_batched_tokens={self.config.max_num_batched_tokens}, "
                              f"max_num_seqs={self.config.max_num_seqs})")
+        self.step_limits = limits
         return limits
 
     def _swapped_before(self, request: Request) -> bool:
@@ -387,6 +397,9 @@ class Scheduler:
         """
         kv = self.kv_cache_manager
         needs_slot = len(self.running) >= step.limits.max_num_seqs
+        # A cap lowered below the running count (an adaptive batch controller) only holds back
+        # admissions: a request may displace one running request for its slot, never more.
+        slots = max(step.limits.max_num_seqs, len(self.running))
         if not needs_slot:
             if kv.can_allocate(request, num_new, computed, num_hit, apply_watermark=bool(self.running)):
                 return []
@@ -403,7 +416,7 @@ class Scheduler:
                 return None
             candidates.remove(victim)
             victims.append(victim)
-            if (len(self.running) - len(victims) < step.limits.max_num_seqs
+            if (len(self.running) - len(victims) < slots
                     and kv.can_allocate(request, num_new, computed, num_hit, freeing=victims)):
                 return victims
         return None
@@ -599,6 +612,9 @@ class Scheduler:
         self._in_flight = None
         if feedback:
             self.policy.on_step_served(served, now)
+        if self._controller_observes:
+            self.batch_controller.on_step(observe_step(scheduler_output, updates, self.running, len(self.waiting),
+                                                       self.kv_cache_manager.get_usage(), now))
         return updates
 
     def fail_step(self, scheduler_output: SchedulerOutput, now: float = 0.0) -> list[Request]:

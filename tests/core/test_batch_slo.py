@@ -1,0 +1,287 @@
+"""The `slo` batch controller on its own and in the scheduler: flags, bounds, feedback,
+hysteresis, never preempting, identical streams, no leaks (no torch)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from tests.core.helpers import PagedFakeRunner, assert_no_leaks, make_request, reference_stream
+from tests.sim.helpers import cost_model
+from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig
+from tokenweir.core.batch_control import BatchController, StepLimits, StepObservation
+from tokenweir.core.batch_controllers import BATCH_CONTROLLERS
+from tokenweir.core.batch_slo import SLOBatchConfig, SLOBatchController, weighted_quantile
+from tokenweir.core.cost_model import StepComposition, step_composition
+from tokenweir.core.scheduler import Scheduler
+
+# 20 ms per step, 2 ms per token, 10 us per K/V token read: a decode row at context 200 costs
+# 4 ms, so a 100 ms target holds about 20 rows.
+MODEL = cost_model(step=0.02, tokens=0.002, decode_context=1e-5)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch_controller="slo"), "batch_controller 'slo' needs target_tpot_ms"),
+    (dict(batch_controller="bogus"), r"batch_controller must be one of \['slo', 'static'\], got 'bogus'"),
+    (dict(target_tpot_ms=100), "target_tpot_ms only apply to batch_controller 'slo', not 'static'"),
+    (dict(min_num_seqs=2, batch_control_window=5.0),
+     "min_num_seqs, batch_control_window only apply to batch_controller 'slo'"),
+    (dict(batch_controller="slo", target_tpot_ms=0), "batch control target_tpot_ms must be a number > 0, got 0"),
+    (dict(batch_controller="slo", target_tpot_ms=math.inf), "target_tpot_ms must be a number > 0, got inf"),
+    (dict(batch_controller="slo", target_tpot_ms=100, target_ttft_ms=-1), "target_ttft_ms must be a number > 0"),
+    (dict(batch_controller="slo", target_tpot_ms=100, batch_control_interval=0), "interval must be a number > 0"),
+    (dict(batch_controller="slo", target_tpot_ms=100, batch_control_hysteresis=1.0),
+     r"hysteresis must be in \[0, 1\), got 1.0"),
+    (dict(batch_controller="slo", target_tpot_ms=100, min_num_seqs=0),
+     "min_num_seqs must be an integer >= 1, got 0"),
+    (dict(batch_controller="slo", target_tpot_ms=100, max_num_seqs=8, min_num_seqs=9),
+     r"min_num_seqs \(9\) must be <= max_num_seqs \(8\)"),
+    (dict(batch_controller="slo", target_tpot_ms=100, max_num_batched_tokens=512, min_num_batched_tokens=1024),
+     r"min_num_batched_tokens \(1024\) must be <= max_num_batched_tokens \(512\)"),
+    (dict(batch_controller="slo", target_tpot_ms=100, initial_num_seqs=300),
+     r"initial_num_seqs \(300\) must be within \[min_num_seqs, max_num_seqs\] = \[1, 256\]"),
+    (dict(batch_controller="slo", target_tpot_ms=100, min_num_batched_tokens=8, min_num_seqs=16),
+     r"min_num_batched_tokens \(8\) must be >= min_num_seqs \(16\)"),
+    (dict(batch_controller="slo", target_tpot_ms=100, initial_num_batched_tokens=100, initial_num_seqs=200),
+     r"initial_num_batched_tokens \(100\) must be >= initial_num_seqs \(200\)"),
+    (dict(batch_controller="slo", target_tpot_ms=100, enable_chunked_prefill=False),
+     "batch_controller 'slo' lowers the token budget .* enable chunked prefill"),
+])
+def test_bad_settings_are_refused_with_a_precise_message(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)
+
+
+def test_engine_args_reach_the_controller_and_the_max_limits_bound_it():
+    args = EngineArgs(batch_controller="slo", target_tpot_ms=150, target_ttft_ms=2000, min_num_seqs=2,
+                      max_num_seqs=32, max_num_batched_tokens=512, batch_control_window=4.0)
+    _, sched = args.create_engine_configs(4096, 100)
+    assert sched.batch_control_config == SLOBatchConfig(target_tpot_ms=150, target_ttft_ms=2000, min_num_seqs=2,
+                                                        window=4.0)
+    s = Scheduler(sched, CacheConfig(block_size=16, num_blocks=100))
+    assert isinstance(s.batch_controller, SLOBatchController)
+    assert s.batch_controller.max_limits == StepLimits(512, 32)
+
+
+def test_a_registered_controller_is_built_by_name(monkeypatch):
+    class Halving(BatchController):
+        name = "halving"
+
+        def __init__(self, limits):
+            self.limits = StepLimits(limits.max_num_batched_tokens // 2, limits.max_num_seqs // 2)
+
+        @classmethod
+        def from_config(cls, config, limits, cost_model, watermark):
+            return cls(limits)
+
+        def get_limits(self, now):
+            return self.limits
+
+    monkeypatch.setitem(BATCH_CONTROLLERS, "halving", Halving)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, batch_controller="halving"),
+                  CacheConfig(block_size=4, num_blocks=64))
+    s.add_request(make_request("a", 50))
+    assert s.schedule(0.0).total_num_scheduled_tokens == 32
+
+
+def test_weighted_quantile():
+    assert weighted_quantile([], 0.99) is None
+    assert weighted_quantile([(1.0, 98), (5.0, 2)], 0.99) == 5.0
+    assert weighted_quantile([(1.0, 99), (5.0, 1)], 0.99) == 1.0
+
+
+def _observe(now, decode_rows, context_per_row, *, waiting=10, kv=0.1, tokens=None):
+    comp = StepComposition(num_decode_seqs=decode_rows, decode_context_tokens=decode_rows * context_per_row,
+                           num_sampled=decode_rows, num_prefill_tokens=(tokens or decode_rows) - decode_rows,
+                           num_prefill_seqs=int((tokens or decode_rows) > decode_rows))
+    return StepObservation(now, comp, decode_rows, (), decode_rows, waiting, decode_rows * context_per_row, kv)
+
+
+def _drive(controller, world, steps, rows_of=lambda limits: limits.max_num_seqs, context=200, start=0.0):
+    """Steps back to back: each lasts what `world` says for the limits the controller gave."""
+    now, history = start, []
+    for i in range(steps):
+        limits = controller.get_limits(now)
+        rows = rows_of(limits)
+        comp = StepComposition(num_decode_seqs=rows, decode_context_tokens=rows * context, num_sampled=rows)
+        now += world(i, comp)
+        controller.on_step(_observe(now, rows, context))
+        history.append((now, limits))
+    return history
+
+
+def _controller(model=MODEL, **knobs):
+    config = SLOBatchConfig(**{"target_tpot_ms": 100.0, "min_num_batched_tokens": 4, "interval": 0.5,
+                               "window": 3.0, **knobs})
+    return SLOBatchController(config, StepLimits(1024, 256), model)
+
+
+def test_the_measured_correction_brings_a_wrong_model_to_the_target():
+    # The world is twice as slow as the model believes: the model alone would put 17 rows in a
+    # step (90 ms predicted, 176 ms real); measured, a step of s rows takes 2 * (20 + 4 s) ms,
+    # so 7 rows is the most that fits 100 ms.
+    c = _controller()
+    history = _drive(c, lambda i, comp: 2 * MODEL.predict(comp), 600)
+    assert 1.9 < c.correction < 2.1
+    periods = [b[0] - a[0] for a, b in zip(history[-100:], history[-99:])]
+    assert max(periods) <= 0.1 + 1e-9
+    assert min(periods) >= 0.08  # and it uses the room it has
+    assert history[-1][1].max_num_seqs == 7
+
+
+def test_feedback_shrinks_on_a_tail_the_mean_model_does_not_see():
+    # Every 20th step takes three times as long: the measured mean is barely off, the p99 is.
+    c = _controller()
+    world = lambda i, comp: MODEL.predict(comp) * (3.0 if i % 20 == 0 else 0.9)
+    history = _drive(c, world, 1500)
+    assert c.bias < 0.5
+    late = [b[0] - a[0] for a, b in zip(history[-400:], history[-399:])]
+    assert sorted(late)[int(0.99 * len(late))] <= 0.1 + 1e-9
+
+
+def test_noise_does_not_make_the_limits_oscillate():
+    # Every step's time is off by a lognormal factor (sigma 0.1): its p99 is 26% over the mean.
+    rng = np.random.default_rng(0)
+    noise = rng.lognormal(0.0, 0.1, size=3000)
+
+    def caps(hysteresis):
+        c = _controller(hysteresis=hysteresis)
+        history = _drive(c, lambda i, comp: MODEL.predict(comp) * noise[i], 3000)
+        return [limits.max_num_seqs for _, limits in history[500:]]  # past the start
+
+    def changes(caps):
+        return sum(1 for a, b in zip(caps, caps[1:]) if a != b)
+
+    steady = caps(0.1)
+    median = float(np.median(steady))
+    assert min(steady) >= 0.7 * median and max(steady) <= 1.3 * median  # no drift, no swings
+    assert changes(steady) * 3 < changes(caps(0.0))  # what the hysteresis prevents
+
+
+def test_limits_stay_within_bounds_whatever_the_measurements():
+    rng = np.random.default_rng(1)
+    c = _controller(min_num_seqs=3, min_num_batched_tokens=40)
+    c.max_limits = StepLimits(300, 20)
+    now = 0.0
+    for _ in range(2000):
+        limits = c.get_limits(now)
+        assert 40 <= limits.max_num_batched_tokens <= 300 and 3 <= limits.max_num_seqs <= 20
+        assert limits.max_num_batched_tokens >= limits.max_num_seqs
+        now += float(rng.choice([1e-4, 0.05, 2.0]))
+        rows = int(rng.integers(0, 40))
+        c.on_step(_observe(now, rows, int(rng.integers(0, 5000)), waiting=int(rng.integers(0, 3)),
+                           kv=float(rng.uniform(0, 1)), tokens=rows + int(rng.integers(0, 400))))
+
+
+def test_the_cap_does_not_grow_while_the_kv_cache_is_at_its_watermark():
+    c = SLOBatchController(SLOBatchConfig(target_tpot_ms=100.0, interval=0.5, initial_num_seqs=4,
+                                          initial_num_batched_tokens=64), StepLimits(1024, 256), MODEL,
+                           watermark=0.1)
+    now = 0.0
+    for i in range(200):  # fast steps with 4 rows: the model would allow ~20
+        assert c.get_limits(now).max_num_seqs == 4
+        now += 0.03
+        c.on_step(_observe(now, 4, 200, kv=0.9))
+    now += 0.03
+    c.on_step(_observe(now, 4, 200, kv=0.5))
+    assert c.get_limits(now + 1).max_num_seqs > 4
+
+
+# ---------------------------------------------------------------------- in the scheduler
+
+
+def _scheduler(controller="slo", policy="fcfs", num_blocks=400, max_num_seqs=32, **knobs):
+    config = SLOBatchConfig(**{"target_tpot_ms": 100.0, "interval": 0.3, "window": 2.0, **knobs}) \
+        if controller == "slo" else None
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=max_num_seqs, policy=policy,
+                                     batch_controller=controller, batch_control_config=config),
+                     CacheConfig(block_size=4, num_blocks=num_blocks), cost_model=MODEL)
+
+
+def _run(s, requests, arrivals):
+    """Engine steps in virtual time (each lasts what MODEL predicts); returns per step the
+    limits and the number running after scheduling."""
+    runner, now, pending, trace = PagedFakeRunner(s.block_size), 0.0, sorted(zip(arrivals, requests),
+                                                                             key=lambda x: x[0]), []
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0][0] <= now:
+            s.add_request(pending.pop(0)[1])
+        if not s.has_unfinished_requests():
+            now = pending[0][0]
+            continue
+        out = s.schedule(now)
+        trace.append((s.step_limits, len(s.running), len(out.preempted_req_ids), now))
+        now += MODEL.predict(step_composition(out, s.requests))
+        s.update_from_output(out, runner.execute(out), now)
+    return trace
+
+
+def _workload(n=60, seed=0):
+    rng = np.random.default_rng(seed)
+    requests = [make_request(f"r{i}", int(rng.integers(5, 60)), max_tokens=int(rng.integers(5, 40)))
+                for i in range(n)]
+    return requests, [0.0] * (n // 2) + [float(t) for t in np.linspace(1, 3, n - n // 2)]
+
+
+def test_streams_are_those_of_static_only_timing_changes_and_nothing_leaks():
+    requests, arrivals = _workload()
+    s = _scheduler()
+    trace = _run(s, requests, arrivals)
+    assert {limits for limits, *_ in trace} != {StepLimits(256, 32)}  # it did adapt
+    for r in requests:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+    assert_no_leaks(s)
+    static_requests, _ = _workload()
+    static = _scheduler("static")
+    _run(static, static_requests, arrivals)
+    assert [r.output_token_ids for r in static_requests] == [r.output_token_ids for r in requests]
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_shrinking_cap_holds_back_admissions_and_preempts_nothing(policy):
+    # 24 requests start at once under a cap given for the start; their contexts grow and the
+    # cap falls below the running count. Then more important requests arrive.
+    s = _scheduler(policy=policy, num_blocks=2000, initial_num_seqs=24, initial_num_batched_tokens=256)
+    requests = [make_request(f"r{i}", 40, max_tokens=60, priority=1) for i in range(24)]
+    late = [make_request(f"late{i}", 10, max_tokens=5, priority=0) for i in range(6)]
+    trace = _run(s, requests + late, [0.0] * 24 + [4.5] * 6)
+    assert any(running > limits.max_num_seqs for limits, running, *_ in trace)
+    # The priority policy may still swap one running request for each more important arrival
+    # (as at a static cap), never more to get under the lowered cap.
+    assert sum(preempted for _, _, preempted, _ in trace) <= (len(late) if policy == "priority" else 0)
+    assert_no_leaks(s)
+
+
+def test_a_ttft_target_over_its_p99_moves_step_time_from_decode_rows_to_prefill():
+    def cap_after(ttft):
+        c = _controller(target_ttft_ms=1000.0)
+        now = 0.0
+        for _ in range(300):
+            rows = c.get_limits(now).max_num_seqs
+            now += MODEL.predict(StepComposition(num_decode_seqs=rows, decode_context_tokens=200 * rows,
+                                                 num_sampled=rows))
+            obs = _observe(now, rows, 200)
+            c.on_step(StepObservation(**{**{f: getattr(obs, f) for f in obs.__slots__}, "ttfts": (ttft,)}))
+        return c.prefill_reserve, c.get_limits(now + 1).max_num_seqs
+
+    (relaxed_reserve, relaxed_cap), (urgent_reserve, urgent_cap) = cap_after(0.5), cap_after(3.0)
+    assert relaxed_reserve == pytest.approx(0.1) and urgent_reserve == pytest.approx(0.5)
+    assert urgent_cap < relaxed_cap
+
+
+def test_the_cap_stays_near_the_requests_that_ran_under_light_load():
+    # Three requests run where the model would allow 17: a load step must not find room for 17
+    # at once (the cap could then only shrink as fast as requests finish).
+    c = _controller(initial_num_seqs=3, initial_num_batched_tokens=64)
+    history = _drive(c, lambda i, comp: MODEL.predict(comp), 200, rows_of=lambda limits: 3)
+    assert all(limits.max_num_seqs <= 5 for _, limits in history)
+    history = _drive(c, lambda i, comp: MODEL.predict(comp), 400, start=history[-1][0])  # load: it grows
+    assert history[-1][1].max_num_seqs > 10
+
+
+def test_the_correction_reaches_a_device_far_faster_than_the_profile():
+    c = _controller()
+    _drive(c, lambda i, comp: MODEL.predict(comp) / 200, 400)
+    assert c.correction == pytest.approx(1 / 200, rel=0.05)

@@ -1,0 +1,287 @@
+"""`slo` batch control: the largest step limits whose inter-token latency stays under a target.
+
+Every decode row of a step waits for the whole step, so the step period is each row's
+inter-token latency (ITL), and a request's TPOT is the mean of its ITLs: keeping the windowed
+p99 of ITL under `target_tpot_ms` keeps TPOT under it too. Throughput is highest when every
+step is as long as the target allows (the per-step cost is paid once for more rows), so:
+
+- predict: the cost model gives the largest sequence cap whose decode rows alone fill the
+  target but a reserve (left for prefill chunks, so admitted prompts keep progressing), and the
+  largest token budget whose full step (those decode rows plus a prefill chunk) fits the target;
+- correct: a running ratio of measured to predicted step periods scales every prediction (the
+  profile may be of another machine, or the machine busier); the windowed p99 of measured ITL
+  scales the target the prediction aims at (tails the mean-fitted model does not see): down at
+  once in proportion to a violation, up by at most `GROWTH` per window, and only while a
+  limit actually held something back;
+- hysteresis: no feedback inside the band [target x (1 - hysteresis), target x (1 - hysteresis
+  / 4)] (its top stays below the target, so noise at the top does not cross it); a limit moves
+  only by more than `hysteresis` of itself unless the target is violated; and after the
+  feedback moves, the p99 is taken only over the steps since (an old tail must not shrink it
+  twice), and it grows again only once those steps span a whole window.
+
+The cap grows by at most `GROWTH` per interval over the most requests that actually ran: a
+cap far above the running count (light load) would let a load step fill the batch at once,
+past the target, and it can then only shrink as fast as requests finish.
+
+It shrinks by admitting less: the scheduler treats a lower cap as holding back admissions, and
+the budget never drops below what the running requests need for one token each. It does not
+raise the cap while the KV cache's free share is down to the watermark (admissions could not
+use it). With `target_ttft_ms`, a TTFT p99 over it moves step time from decode rows to prefill
+(a larger reserve, so a smaller cap). Time enters only through `now` arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Optional
+
+from tokenweir.checks import is_finite_number, is_integer
+from tokenweir.core.batch_control import BatchController, StepLimits, StepObservation
+from tokenweir.core.cost_model import StepComposition, StepCostModel, load_cost_model
+
+# Weight of one step in the measured/predicted ratio: about ten steps of memory, so one noisy
+# step moves the predictions by a tenth of its error.
+CORRECTION_GAIN = 0.1
+# The p99 feedback may grow the aimed-at period by this share per window (and the sequence
+# cap grow by it over the running count per interval): growth is slow, as an overshoot costs
+# a violation; shrinking is immediate.
+GROWTH = 0.1
+BIAS_RANGE = (0.1, 4.0)
+# Steps measured since a shrink before the p99 over them may shrink again (a p99 of a handful
+# of steps is their maximum: one noisy step would decide).
+MIN_STEPS = 20
+# Share of the target left to prefill chunks when the sequence cap is full of decode rows;
+# with a TTFT target it moves by RESERVE_STEP per interval up to MAX_RESERVE.
+PREFILL_RESERVE = 0.1
+RESERVE_STEP = 0.05
+MAX_RESERVE = 0.5
+# The cap stops growing this close to the watermark: admissions need free blocks above it.
+MEMORY_MARGIN = 0.02
+PERCENTILE = 0.99
+
+
+@dataclass(frozen=True)
+class SLOBatchConfig:
+    """The knobs of `slo` (engine args `--target-tpot-ms`, `--min-num-batched-tokens`, ...); the
+    upper bounds are the scheduler's `max_num_batched_tokens` and `max_num_seqs`."""
+
+    target_tpot_ms: float
+    target_ttft_ms: Optional[float] = None
+    min_num_batched_tokens: int = 64
+    min_num_seqs: int = 1
+    # None: chosen by the cost model at the first step.
+    initial_num_batched_tokens: Optional[int] = None
+    initial_num_seqs: Optional[int] = None
+    window: float = 10.0  # seconds of steps whose ITLs (and TTFTs) make the p99
+    interval: float = 1.0  # seconds between adjustments
+    hysteresis: float = 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("target_tpot_ms", "target_ttft_ms", "window", "interval"):
+            value = getattr(self, name)
+            if value is None and name == "target_ttft_ms":
+                continue
+            if not is_finite_number(value) or value <= 0:
+                raise ValueError(f"batch control {name} must be a number > 0, got {value!r}")
+        if not is_finite_number(self.hysteresis) or not 0 <= self.hysteresis < 1:
+            raise ValueError(f"batch control hysteresis must be in [0, 1), got {self.hysteresis!r}")
+        for name in ("min_num_batched_tokens", "min_num_seqs", "initial_num_batched_tokens", "initial_num_seqs"):
+            value = getattr(self, name)
+            if value is not None and (not is_integer(value) or value < 1):
+                raise ValueError(f"batch control {name} must be an integer >= 1, got {value!r}")
+
+    def check_bounds(self, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        """The minima and initial values against the maxima (the scheduler's limits)."""
+        for kind, maximum in (("num_batched_tokens", max_num_batched_tokens), ("num_seqs", max_num_seqs)):
+            low, initial = getattr(self, f"min_{kind}"), getattr(self, f"initial_{kind}")
+            if low > maximum:
+                raise ValueError(f"min_{kind} ({low}) must be <= max_{kind} ({maximum})")
+            if initial is not None and not low <= initial <= maximum:
+                raise ValueError(f"initial_{kind} ({initial}) must be within [min_{kind}, max_{kind}] "
+                                 f"= [{low}, {maximum}]")
+        if self.min_num_batched_tokens < self.min_num_seqs:
+            raise ValueError(f"min_num_batched_tokens ({self.min_num_batched_tokens}) must be >= min_num_seqs "
+                             f"({self.min_num_seqs}): every running request needs a token per step")
+        tokens, seqs = self.initial_num_batched_tokens, self.initial_num_seqs
+        if tokens is not None and seqs is not None and tokens < seqs:
+            raise ValueError(f"initial_num_batched_tokens ({tokens}) must be >= initial_num_seqs ({seqs})")
+
+
+def weighted_quantile(samples: Iterable[tuple[float, int]], q: float) -> Optional[float]:
+    """The q-quantile of values each counted `weight` times; None without samples."""
+    ordered = sorted(samples)
+    total = sum(w for _, w in ordered)
+    if total == 0:
+        return None
+    threshold, seen = q * total, 0
+    for value, weight in ordered:
+        seen += weight
+        if seen >= threshold:
+            return value
+    return ordered[-1][0]
+
+
+def largest(low: int, high: int, fits: Callable[[int], bool]) -> int:
+    """The largest n in [low, high] with fits(n), fits being monotone; low if none fits."""
+    if not fits(low):
+        return low
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+class SLOBatchController(BatchController):
+    name = "slo"
+    config_class = SLOBatchConfig
+
+    @classmethod
+    def from_config(cls, config: SLOBatchConfig, limits: StepLimits, cost_model: Optional[StepCostModel],
+                    watermark: float) -> SLOBatchController:
+        # Without one (the engine holds none unless `auto` preemption asked), the shipped
+        # profile: the measured correction scales it to this machine.
+        return cls(config, limits, cost_model or load_cost_model(None), watermark)
+
+    def __init__(self, config: SLOBatchConfig, max_limits: StepLimits, cost_model: StepCostModel,
+                 watermark: float = 0.0) -> None:
+        config.check_bounds(max_limits.max_num_batched_tokens, max_limits.max_num_seqs)
+        self.config = config
+        self.max_limits = max_limits
+        self.cost_model = cost_model
+        self.watermark = watermark
+        self.target = config.target_tpot_ms / 1000
+        self.target_ttft = None if config.target_ttft_ms is None else config.target_ttft_ms / 1000
+        self.correction = 1.0  # measured / predicted step period
+        self.bias = 1.0  # the aimed-at period, as a share of the target
+        self.prefill_reserve = PREFILL_RESERVE
+        self.p99_itl: Optional[float] = None  # at the last adjustment: of the steps since the last move
+        self.p99_ttft: Optional[float] = None
+        self.limits = StepLimits(config.initial_num_batched_tokens or max(config.min_num_batched_tokens,
+                                                                          config.initial_num_seqs or 1),
+                                 config.initial_num_seqs or config.min_num_seqs)
+        self._itl: deque[tuple[float, float, int]] = deque()  # (step end, period, rows)
+        self._ttft: deque[tuple[float, float]] = deque()  # (time, ttft)
+        self._next_adjust: Optional[float] = None
+        self._step_start = 0.0
+        self._last_end: Optional[float] = None
+        self._context_per_request = 0.0
+        self._num_running = 0
+        self._peak_running = 0  # since the last adjustment
+        self._kv_cache_usage = 0.0
+        self._held_back = False  # since the last adjustment, a limit kept work out of a step
+        self._moved_at = -math.inf  # when the feedback last moved the aimed-at period
+
+    # ------------------------------------------------------------------ the scheduler's calls
+
+    def get_limits(self, now: float) -> StepLimits:
+        if self._next_adjust is None:
+            self._next_adjust = now + self.config.interval
+            if self.config.initial_num_batched_tokens is None or self.config.initial_num_seqs is None:
+                tokens, seqs = self._choose()
+                seqs = self.config.initial_num_seqs or seqs
+                tokens = self.config.initial_num_batched_tokens or max(tokens, seqs)
+                self.limits = StepLimits(tokens, seqs)
+        elif now >= self._next_adjust:
+            self._adjust(now)
+            self._next_adjust = now + self.config.interval
+        self._step_start = now
+        return self.limits
+
+    def on_step(self, obs: StepObservation) -> None:
+        # A decode row waited since the previous step's results; a step of first tokens only
+        # (after idle time, say) is timed from its own start.
+        continued = obs.num_itl_rows > 0 and self._last_end is not None
+        period = obs.now - (self._last_end if continued else self._step_start)
+        self._last_end = obs.now
+        predicted = self.cost_model.predict(obs.composition)
+        if predicted > 0 and period > 0:
+            # Bounded around the current ratio, not absolutely: one outlier moves it little, yet
+            # it reaches any scale (a GPU against the shipped CPU profile) within some steps.
+            c = self.correction
+            self.correction += CORRECTION_GAIN * (min(10 * c, max(c / 10, period / predicted)) - c)
+        if continued:
+            self._itl.append((obs.now, period, obs.num_itl_rows))
+        for ttft in obs.ttfts:
+            self._ttft.append((obs.now, ttft))
+        if obs.num_running:
+            self._context_per_request = obs.running_context_tokens / obs.num_running
+        self._num_running = obs.num_running
+        self._peak_running = max(self._peak_running, obs.num_running)
+        self._kv_cache_usage = obs.kv_cache_usage
+        limits = self.limits
+        if (obs.composition.num_tokens >= limits.max_num_batched_tokens
+                or (obs.num_waiting and obs.num_running >= limits.max_num_seqs)):
+            self._held_back = True
+
+    # ------------------------------------------------------------------ decisions
+
+    def _adjust(self, now: float) -> None:
+        h = self.config.hysteresis
+        horizon = now - self.config.window
+        while self._itl and self._itl[0][0] < horizon:
+            self._itl.popleft()
+        while self._ttft and self._ttft[0][0] < horizon:
+            self._ttft.popleft()
+        since = [(p, n) for t, p, n in self._itl if t > self._moved_at]
+        self.p99_itl = p99 = weighted_quantile(since, PERCENTILE) if len(since) >= MIN_STEPS else None
+        ceiling = self.target * (1 - h / 4)
+        violated = p99 is not None and p99 > ceiling
+        if violated:
+            self.bias = max(BIAS_RANGE[0], self.bias * max(0.5, ceiling / p99))
+            self._moved_at = now
+        elif (p99 is not None and p99 < self.target * (1 - h) and self._held_back
+              and now - self._moved_at >= self.config.window):
+            self.bias = min(BIAS_RANGE[1], self.bias * min(1 + GROWTH, self.target * (1 - h / 2) / p99))
+            self._moved_at = now
+        if self.target_ttft is not None:
+            self.p99_ttft = weighted_quantile(((t, 1) for _, t in self._ttft), PERCENTILE)
+            if self.p99_ttft is not None:
+                if self.p99_ttft > self.target_ttft:
+                    self.prefill_reserve = min(MAX_RESERVE, self.prefill_reserve + RESERVE_STEP)
+                elif self.p99_ttft < self.target_ttft * (1 - h):
+                    self.prefill_reserve = max(PREFILL_RESERVE, self.prefill_reserve - RESERVE_STEP)
+        self._held_back = False
+        tokens, seqs = self._choose()
+        seqs = min(seqs, max(self.config.min_num_seqs, math.ceil(self._peak_running * (1 + GROWTH)) + 1))
+        self._peak_running = 0
+        current = self.limits
+
+        def settle(new: int, old: int) -> int:
+            return new if abs(new - old) > h * old or (violated and new < old) else old
+
+        seqs = settle(seqs, current.max_num_seqs)
+        self.limits = StepLimits(max(settle(tokens, current.max_num_batched_tokens), seqs), seqs)
+
+    def _choose(self) -> tuple[int, int]:
+        """The model's limits: (token budget, sequence cap) for the aimed-at period."""
+        cfg, top = self.config, self.max_limits
+        period = self.target * self.bias
+        context = self._context_per_request
+
+        def seconds(num_decode: int, num_prefill: int) -> float:
+            comp = StepComposition(
+                num_prefill_tokens=num_prefill, num_prefill_seqs=int(num_prefill > 0), num_decode_seqs=num_decode,
+                decode_context_tokens=math.ceil(num_decode * context),
+                prefill_attention_pairs=num_prefill * (num_prefill + 1) // 2,
+                num_sampled=num_decode + int(num_prefill > 0))
+            return self.correction * self.cost_model.predict(comp)
+
+        seqs = largest(cfg.min_num_seqs, top.max_num_seqs,
+                       lambda s: seconds(s, 0) <= period * (1 - self.prefill_reserve))
+        if 1 - self._kv_cache_usage <= self.watermark + MEMORY_MARGIN:
+            seqs = min(seqs, max(cfg.min_num_seqs, self.limits.max_num_seqs))
+        # The budget fills the period for the decode rows there are (a full cap's worth would
+        # leave the prompts waiting behind fewer rows a too small budget); re-decided each
+        # interval as the batch grows.
+        rows = min(seqs, max(self._num_running, 1))
+        low = max(cfg.min_num_batched_tokens, seqs)
+        tokens = largest(low, top.max_num_batched_tokens, lambda b: seconds(rows, b - rows) <= period)
+        # Never fewer tokens than the running requests need to decode one each.
+        tokens = max(tokens, min(top.max_num_batched_tokens, self._num_running))
+        return tokens, seqs
