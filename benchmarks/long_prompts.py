@@ -19,7 +19,6 @@ import csv
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from serving import BIN, OUT, ROOT, parse_bench_args, wait_ready, warm_up
+from serving import BIN, OUT, ROOT, parse_bench_args, stop_server, wait_ready, warm_up
 from tokenweir.bench import serve as bench_serve
 from tokenweir.model.gguf_conversion import ensure_hf_folder
 from tokenweir.model.loader import default_model_path
@@ -91,12 +90,7 @@ def run_config(name: str, flags: list[str], trace: Path, num_prompts: int, hf_fo
                 "--num-prompts", str(num_prompts), "--tokenizer", hf_folder, "--seed", str(seed),
                 "--ignore-eos", "--metric-percentiles", "50,99"]))
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
     return {"config": name, "flags": flags, "seed": seed, **summarize(result)}
 
 

@@ -46,6 +46,16 @@ def server_command(system: str, port: int, hf_folder: str) -> list[str]:
             "--port", str(port), "--device", "cpu", "--dtype", "bfloat16"]
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops it; killed if it has not exited within 30 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -137,12 +147,7 @@ def main() -> None:
                 keep["errors"] = sorted({e for e in result["errors"] if e})
                 runs.append(keep)
         finally:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
     report = {"system": ns.system, "server_command": command, "server_ready_s": ready_s,
               "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, CPython {platform.python_version()}",
               "args": vars(ns), "runs": runs}
