@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
+import random
+import statistics
 import pytest
 
 from tests.core.helpers import PagedFakeRunner, assert_no_leaks, make_request, reference_stream
@@ -143,8 +144,8 @@ def test_feedback_shrinks_on_a_tail_the_mean_model_does_not_see():
 
 def test_noise_does_not_make_the_limits_oscillate():
     # Every step's time is off by a lognormal factor (sigma 0.1): its p99 is 26% over the mean.
-    rng = np.random.default_rng(0)
-    noise = rng.lognormal(0.0, 0.1, size=3000)
+    rng = random.Random(0)
+    noise = [rng.lognormvariate(0.0, 0.1) for _ in range(3000)]
 
     def caps(hysteresis):
         c = _controller(hysteresis=hysteresis)
@@ -155,13 +156,13 @@ def test_noise_does_not_make_the_limits_oscillate():
         return sum(1 for a, b in zip(caps, caps[1:]) if a != b)
 
     steady = caps(0.1)
-    median = float(np.median(steady))
+    median = statistics.median(steady)
     assert min(steady) >= 0.7 * median and max(steady) <= 1.3 * median  # no drift, no swings
     assert changes(steady) * 3 < changes(caps(0.0))  # what the hysteresis prevents
 
 
 def test_limits_stay_within_bounds_whatever_the_measurements():
-    rng = np.random.default_rng(1)
+    rng = random.Random(1)
     c = _controller(min_num_seqs=3, min_num_batched_tokens=40)
     c.max_limits = StepLimits(300, 20)
     now = 0.0
@@ -169,10 +170,10 @@ def test_limits_stay_within_bounds_whatever_the_measurements():
         limits = c.get_limits(now)
         assert 40 <= limits.max_num_batched_tokens <= 300 and 3 <= limits.max_num_seqs <= 20
         assert limits.max_num_batched_tokens >= limits.max_num_seqs
-        now += float(rng.choice([1e-4, 0.05, 2.0]))
-        rows = int(rng.integers(0, 40))
-        c.on_step(_observe(now, rows, int(rng.integers(0, 5000)), waiting=int(rng.integers(0, 3)),
-                           kv=float(rng.uniform(0, 1)), tokens=rows + int(rng.integers(0, 400))))
+        now += rng.choice([1e-4, 0.05, 2.0])
+        rows = rng.randrange(0, 40)
+        c.on_step(_observe(now, rows, rng.randrange(0, 5000), waiting=rng.randrange(0, 3),
+                           kv=rng.uniform(0, 1), tokens=rows + rng.randrange(0, 400)))
 
 
 def test_the_cap_does_not_grow_while_the_kv_cache_is_at_its_watermark():
@@ -219,10 +220,10 @@ def _run(s, requests, arrivals):
 
 
 def _workload(n=60, seed=0):
-    rng = np.random.default_rng(seed)
-    requests = [make_request(f"r{i}", int(rng.integers(5, 60)), max_tokens=int(rng.integers(5, 40)))
-                for i in range(n)]
-    return requests, [0.0] * (n // 2) + [float(t) for t in np.linspace(1, 3, n - n // 2)]
+    rng = random.Random(seed)
+    requests = [make_request(f"r{i}", rng.randrange(5, 60), max_tokens=rng.randrange(5, 40)) for i in range(n)]
+    late = n - n // 2  # arrivals spread evenly over [1, 3] s
+    return requests, [0.0] * (n // 2) + [1.0 + 2.0 * i / (late - 1) for i in range(late)]
 
 
 def test_streams_are_those_of_static_only_timing_changes_and_nothing_leaks():

@@ -80,13 +80,6 @@ def test_a_scheduler_without_a_threshold_or_max_model_len_refuses_the_limits():
         Scheduler(config, CacheConfig(block_size=4, num_blocks=16))
 
 
-def test_engine_args_flags_exist():
-    from tokenweir.cli import build_parser
-
-    args = build_parser().parse_args(["serve", "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "2"])
-    assert (args.max_num_partial_prefills, args.max_long_partial_prefills) == (4, 2)
-
-
 # ---------------------------------------------------------------- behaviour
 
 

@@ -41,3 +41,11 @@ def test_greedy_streams_are_unchanged_and_short_prompts_pass_long_ones(make_llm,
         for new in out.scheduled_new_reqs:
             first_step.setdefault(len(new.token_ids), n)
     assert first_step[3] < first_step[90] and first_step[5] < first_step[90]
+
+
+def test_engine_args_flags_exist():
+    # Here, not in tests/core: the CLI parser builds the server's flags too (not torch-free).
+    from tokenweir.cli import build_parser
+
+    args = build_parser().parse_args(["serve", "--max-num-partial-prefills", "4", "--max-long-partial-prefills", "2"])
+    assert (args.max_num_partial_prefills, args.max_long_partial_prefills) == (4, 2)
