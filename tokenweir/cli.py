@@ -221,8 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> Any:
+def configure_logging() -> None:
+    """The log format of every tokenweir process (the CLI's, and `serve`'s engine process)."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> Any:
+    configure_logging()
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)

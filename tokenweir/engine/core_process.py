@@ -35,7 +35,7 @@ from tokenweir.config import EngineArgs
 from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine.async_engine import STATS_LOG_INTERVAL_S, AsyncLLMEngine
 from tokenweir.engine.client import EngineDeadError, ModelInfo
-from tokenweir.engine.core_loop import Command, CoreLoop, ShutdownCommand
+from tokenweir.engine.core_loop import Command, CommandSource, CoreLoop, ShutdownCommand
 from tokenweir.engine.output import RequestOutput
 from tokenweir.engine.output_delta import OutputDelta, OutputDeltaDecoder, OutputDeltaEncoder
 
@@ -101,7 +101,7 @@ class _ShippingSink:
         self.calls.append(("on_stats", (stats, num_unfinished)))
 
 
-def _command_source(conn: Connection, idle_wait_s: Optional[float]):
+def _command_source(conn: Connection, idle_wait_s: Optional[float]) -> CommandSource:
     def next_commands(block: bool) -> list[Command]:
         commands: list[Command] = []
         if block and not conn.poll(idle_wait_s):
@@ -120,10 +120,11 @@ def run_engine_process(args: EngineArgs, step_trace_path: Optional[str], idle_wa
                        commands: Connection, events: Connection) -> None:
     """The engine process's main: load, report ready, run the loop, release, report the exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    from tokenweir.cli import configure_logging
     from tokenweir.engine.core import EngineCore
     from tokenweir.engine.step_trace import StepTrace
 
+    configure_logging()
     try:
         core = EngineCore(args)
     except Exception as e:  # a bad model path or engine arg: the server raises it as it would in-process
