@@ -98,6 +98,25 @@ def test_leaving_the_stream_early_aborts(clean):
     assert num_aborted(clean) == before + 1
 
 
+@pytest.mark.parametrize("how", ["aclose", "drop"])
+def test_outputs_closed_or_dropped_before_reading_abort(clean, how):
+    # An async generator's aclose() does nothing before its first iteration: the outputs of
+    # add_request must abort their request even when nobody ever read from them.
+    async def run():
+        params = SamplingParams(max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)
+        outputs = await clean.add_request(f"unread-{how}", [5, 6, 7], params)
+        if how == "aclose":
+            await outputs.aclose()
+        else:
+            del outputs
+            await asyncio.sleep(0.05)  # the abort is posted to this loop
+
+    before = num_aborted(clean)
+    asyncio.run(run())
+    wait_until(lambda: clean.num_unfinished_requests() == 0, "the engine to go idle")
+    assert num_aborted(clean) == before + 1
+
+
 def test_output_processing_error_fails_only_that_request(clean, monkeypatch):
     processor = clean.core.output_processor
     process_tokens = processor.process_tokens

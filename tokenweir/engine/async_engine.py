@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, AsyncGenerator, AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from prometheus_client import CollectorRegistry
 
@@ -124,6 +124,43 @@ class RequestStream:
         raise self._error
 
 
+class RequestOutputs:
+    """One request's cumulative outputs, as `add_request` returns them: an async iterator that
+    ends after the final output, and whose `aclose()` aborts the request if that output has
+    not been read. (An async generator's `aclose()` does nothing before its first iteration,
+    so a caller that gave up between the ack and the first output would leave the request
+    running.)"""
+
+    def __init__(self, stream: RequestStream, on_close: Callable[[RequestStream], None]) -> None:
+        self._stream = stream
+        self._on_close = on_close
+        self._closed = False
+
+    def __aiter__(self) -> RequestOutputs:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed or self._stream.consumed:
+            raise StopAsyncIteration
+        try:
+            return await self._stream.get()
+        except BaseException:
+            await self.aclose()  # an error or a cancelled reader: the request ends here either way
+            raise
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._on_close(self._stream)
+
+    def __del__(self) -> None:
+        # Dropped unclosed (as an abandoned async generator would be finalized): close on the
+        # stream's loop, since the collector may run in any thread.
+        if not self._closed:
+            self._closed = True
+            self._stream._post(self._on_close, self._stream)
+
+
 @dataclass
 class _Progress:
     """Engine-thread bookkeeping of what a request has produced, for the token metrics."""
@@ -220,12 +257,13 @@ class AsyncLLMEngine:
 
     async def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                           hints: SchedulingHints = SchedulingHints(), *,
-                          prompt_text: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
+                          prompt_text: Optional[str] = None) -> RequestOutputs:
         """Queue a request and wait until the engine has accepted it; returns its outputs.
 
         Raises ValueError for bad input (EngineCore.add_request's checks) and EngineDeadError
-        when the engine no longer runs. Leaving the returned generator before its final output
-        aborts the request.
+        when the engine no longer runs. Closing the returned outputs before their final one
+        (leaving an `async for` over them early, or `aclose()` without reading any) aborts the
+        request.
         """
         if request_id in self._active:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -240,7 +278,7 @@ class AsyncLLMEngine:
             raise
         finally:
             self._num_in_transit -= 1
-        return self._outputs(stream)
+        return RequestOutputs(stream, self._close_stream)
 
     async def generate(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                        hints: SchedulingHints = SchedulingHints(), *,
@@ -253,19 +291,12 @@ class AsyncLLMEngine:
         finally:
             await outputs.aclose()  # runs its abort-if-unfinished now, not when collected
 
-    async def _outputs(self, stream: RequestStream) -> AsyncGenerator[RequestOutput, None]:
-        try:
-            while True:
-                output = await stream.get()
-                yield output
-                if output.finished:
-                    return
-        finally:
-            if not stream.consumed:
-                self.abort(stream.request_id)
-                # Nobody reads this stream any more (its event loop may even be closing): the
-                # engine's own count covers the request until the abort has run.
-                self._forget(stream.request_id)
+    def _close_stream(self, stream: RequestStream) -> None:
+        if not stream.consumed:
+            self.abort(stream.request_id)
+            # Nobody reads this stream any more (its event loop may even be closing): the
+            # engine's own count covers the request until the abort has run.
+            self._forget(stream.request_id)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (a client went away). Its blocks are freed before the next step;

@@ -7,7 +7,7 @@ it too, so the server never depends on which one it serves from or reaches into 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, Optional, Protocol, Union, runtime_checkable
+from typing import Any, AsyncIterator, Optional, Protocol, Union, runtime_checkable
 
 from prometheus_client import CollectorRegistry
 
@@ -38,6 +38,16 @@ class ModelInfo:
     vocab_size: int
 
 
+class OutputStream(Protocol):
+    """A request's cumulative outputs; `aclose()` before the final one aborts the request."""
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]: ...
+
+    async def __anext__(self) -> RequestOutput: ...
+
+    async def aclose(self) -> None: ...
+
+
 @runtime_checkable
 class EngineClient(Protocol):
     @property
@@ -62,9 +72,9 @@ class EngineClient(Protocol):
 
     async def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                           hints: SchedulingHints = SchedulingHints(), *,
-                          prompt_text: Optional[str] = None) -> AsyncGenerator[RequestOutput, None]:
+                          prompt_text: Optional[str] = None) -> OutputStream:
         """Queue a request once the engine accepted it; returns its cumulative outputs.
-        Raises ValueError for bad input; leaving the generator early aborts the request."""
+        Raises ValueError for bad input; closing the outputs early aborts the request."""
 
     def abort(self, request_id: str) -> None:
         """Abort a request; unknown or finished ids are ignored."""

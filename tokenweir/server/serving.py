@@ -10,13 +10,12 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tokenweir.engine.client import EngineDeadError, RequestFailedError
-from tokenweir.engine.client import EngineClient
+from tokenweir.engine.client import EngineClient, EngineDeadError, OutputStream, RequestFailedError
 from tokenweir.engine.output import RequestOutput
 from tokenweir.server.admission import Admission, WaitingSlot
 from tokenweir.server.auth import authenticated_tenant
@@ -47,7 +46,7 @@ class _Job:
     model: str
     formatter: ResponseFormatter
     include_usage: bool
-    outputs: AsyncGenerator[RequestOutput, None]
+    outputs: OutputStream
     watcher: asyncio.Task[None]
 
     def envelope(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
