@@ -199,11 +199,15 @@ def confirm_real(ns: argparse.Namespace) -> None:
                   "--max-num-seqs", str(best["max_num_seqs"])]
         entry = {"rate_scale": scale, "num_prompts": ns.num_prompts,
                  "command": " ".join(["python", "benchmarks/batching_slo.py", *sys.argv[1:]]),
-                 "static_from_simulated_rate_scale": simulated[0]["rate_scale"],
-                 "slo": serve_and_bench(["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}"],
-                                        workload, work, f"slo-{scale:g}"),
-                 "static": serve_and_bench(static, workload, work, f"static-{scale:g}")}
-        real["rates"] = [r for r in real["rates"] if r["rate_scale"] != scale] + [entry]
+                 "static_from_simulated_rate_scale": simulated[0]["rate_scale"], "pairs": []}
+        # Interleaved pairs: on a shared machine a difference counts only if it holds in each.
+        for i in range(ns.repeats):
+            entry["pairs"].append({
+                "slo": serve_and_bench(["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}"],
+                                       workload, work, f"slo-{scale:g}-{i}"),
+                "static": serve_and_bench(static, workload, work, f"static-{scale:g}-{i}")})
+        real["rates"] = [r for r in real["rates"]
+                         if (r["rate_scale"], r["num_prompts"]) != (scale, ns.num_prompts)] + [entry]
         print(json.dumps(entry, indent=1), file=sys.stderr)
     sim["real"] = real
     ns.output.write_text(json.dumps(sim, indent=1) + "\n")
@@ -220,6 +224,7 @@ def main() -> None:
     ap.add_argument("--max-output-len", type=int, default=256)
     ap.add_argument("--output", type=Path, default=OUT / "batching_slo.json")
     ap.add_argument("--real", action="store_true", help="confirm on the real engine (see above)")
+    ap.add_argument("--repeats", type=int, default=1, help="--real: slo/static pairs per rate, interleaved")
     ns = ap.parse_args()
     if ns.real:
         confirm_real(ns)
