@@ -75,7 +75,7 @@ class SLOBatchConfig:
     # None: chosen by the cost model at the first step.
     initial_num_batched_tokens: Optional[int] = None
     initial_num_seqs: Optional[int] = None
-    window: float = 10.0  # seconds of steps whose ITLs (and TTFTs) make the p99
+    window: float = 10.0  # seconds of steps whose ITLs (and TTFTs) make the p99 (ITLs: at least MIN_STEPS)
     interval: float = 1.0  # seconds between adjustments
     hysteresis: float = 0.1
 
@@ -184,8 +184,10 @@ class SLOBatchController(BatchController):
             self._next_adjust = now + self.config.interval
             if self.config.initial_num_batched_tokens is None or self.config.initial_num_seqs is None:
                 tokens, seqs = self._choose()
-                seqs = self.config.initial_num_seqs or seqs
-                tokens = self.config.initial_num_batched_tokens or max(tokens, seqs)
+                given_tokens = self.config.initial_num_batched_tokens
+                # A given budget bounds the chosen cap: every running request needs a token.
+                seqs = self.config.initial_num_seqs or (min(seqs, given_tokens) if given_tokens else seqs)
+                tokens = given_tokens or max(tokens, seqs)
                 self.limits = StepLimits(tokens, seqs)
         elif now >= self._next_adjust:
             self._adjust(now)
@@ -224,7 +226,9 @@ class SLOBatchController(BatchController):
     def _adjust(self, now: float) -> None:
         h = self.config.hysteresis
         horizon = now - self.config.window
-        while self._itl and self._itl[0][0] < horizon:
+        # At least MIN_STEPS steps stay whatever their age: with steps long against the window
+        # (a slow model, a short window) the p99 would otherwise never have enough to act on.
+        while len(self._itl) > MIN_STEPS and self._itl[0][0] < horizon:
             self._itl.popleft()
         while self._ttft and self._ttft[0][0] < horizon:
             self._ttft.popleft()
