@@ -170,3 +170,27 @@ def test_tenant_weights_parse_from_a_flag_or_a_file(tmp_path):
     path.write_text("[1]")
     with pytest.raises(ValueError, match="must hold a JSON object"):
         parse_tenant_weights(f"@{path}")
+
+
+def test_swapped_requests_come_back_when_the_tenant_furthest_behind_has_none_swapped():
+    # The waiting and the swapped queue share the counters: the backlogged tenant with the
+    # smallest counter may have requests in only one of them, and each queue must then take
+    # from the tenants it holds.
+    s = create_scheduler(max_num_batched_tokens=32, max_num_seqs=4, num_blocks=12, block_size=4, policy="vtc",
+                         preemption_mode="swap", num_host_blocks=32)
+    runner = PagedFakeRunner(4)
+    requests = [Request(f"{t}{i}", list(range(1, 13)), SamplingParams(max_tokens=20, ignore_eos=True),
+                        arrival_time=0.1 * (t == "b"), eos_token_id=EOS, hints=SchedulingHints(tenant=t))
+                for t in "ab" for i in range(3)]
+    for r in requests:
+        s.add_request(r)
+    num_swapped = 0
+    for k in range(500):
+        if not s.has_unfinished_requests():
+            break
+        out = step(s, runner, now=float(k))
+        num_swapped += len(out.blocks_to_swap_out) > 0
+    assert num_swapped  # the case swapped out
+    for r in requests:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, 20)
+    assert_no_leaks(s)

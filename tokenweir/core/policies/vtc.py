@@ -53,8 +53,16 @@ class TenantQueue(RequestQueue):
         self._len -= 1
         return request
 
-    def pop(self) -> Request:
+    def _next_tenant(self) -> Tenant:
         tenant = self.counters.min_backlogged()
+        if tenant not in self._queues:
+            # The counters' backlog spans the waiting and the swapped queue, which share them:
+            # the tenant furthest behind may have requests only in the other one.
+            tenant = self.counters.min_backlogged(among=self._queues)
+        return tenant
+
+    def pop(self) -> Request:
+        tenant = self._next_tenant()
         self.counters.note_chosen(tenant)
         return self._take(tenant)
 
@@ -65,7 +73,7 @@ class TenantQueue(RequestQueue):
         # The tenant VTC serves next: reordering within it leaves the tenants' shares alone.
         if not self._len:
             return ()
-        return list(itertools.islice(self._queues[self.counters.min_backlogged()], limit))
+        return list(itertools.islice(self._queues[self._next_tenant()], limit))
 
     def same_band(self, a: Request, b: Request) -> bool:
         return a.tenant == b.tenant
