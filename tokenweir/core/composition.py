@@ -25,6 +25,9 @@ choice by preempting it again).
 Aging bound: a request of the window that has waited `admission_max_wait` seconds goes first,
 the earliest arrival of such requests first; so, once it has waited the bound, no request of its
 band that arrived after it is admitted before it (the property test states it precisely).
+One exception, by design: with partial prefills (core/prefill_limits.py) a long prompt that
+waits for a long-prefill slot lets shorter ones pass it where the policy allows, aged or not;
+it cannot start before a slot frees anyway, and holding the shorts back would idle the step.
 
 Cost: only the first `admission_window` requests of the band are considered, whatever the
 queue's length; a request's cached prefix is remembered and re-validated with two lookups (the
