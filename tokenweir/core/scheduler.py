@@ -398,7 +398,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         needs_slot = len(self.running) >= step.limits.max_num_seqs
         # A cap lowered below the running count (an adaptive batch controller) only holds back
-        # admissions: a request may displace one running request for its slot, never more.
+        # admissions: at the configured cap a request may displace one running request for its
+        # slot, never more.
         slots = max(step.limits.max_num_seqs, len(self.running))
         if needs_slot and len(self.running) < self.config.max_num_seqs and self._may_displace(request, now):
             # An adaptive cap below the configured one shrinks the batch by admitting less, never
