@@ -11,6 +11,9 @@ Preemption ranks by the same score. Two rules keep it from thrashing:
   is protected: someone must give way.)
 A waiting request preempts only when that makes room for it: the scheduler counts the victims'
 blocks exactly before preempting anyone.
+
+The SLO guard (sla_guard.py) keeps a less important prefill out of a step that would make a
+more important request miss its TTFT or TPOT SLO.
 """
 
 from __future__ import annotations

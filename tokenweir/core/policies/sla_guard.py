@@ -30,12 +30,16 @@ prediction longer, so the guard errs towards protecting.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenweir.core.cost_model import StepComposition, StepCostModel, chunk_composition
+from tokenweir.core.policies.sla_score import priority_class
 from tokenweir.request import Request, RequestStatus
+
+logger = logging.getLogger("tokenweir.sla")
 
 
 @dataclass(slots=True)
@@ -65,10 +69,6 @@ class SLOGuard:
         self._running = running
         self._view = None
 
-    def _class(self, request: Request) -> int:
-        priority, n = request.hints.priority, self.num_classes
-        return 0 if priority <= 0 else (priority if priority < n else n - 1)
-
     def _step_view(self) -> _StepView:
         """The step so far, updated for the requests admitted since the last call (recounted
         when one left the running list: a victim)."""
@@ -85,7 +85,7 @@ class SLOGuard:
                 view.decodes += chunk
             h = r.hints
             if h.ttft_slo is not None or h.tpot_slo is not None:
-                cls = self._class(r)
+                cls = priority_class(r.priority, self.num_classes)
                 view.with_slo.append((cls, r))
                 if cls < view.min_class:
                     view.min_class = cls
@@ -94,7 +94,7 @@ class SLOGuard:
 
     def admits(self, request: Request) -> bool:
         """Whether `request`, next in the policy's order, may start in this step."""
-        cls = self._class(request)
+        cls = priority_class(request.priority, self.num_classes)
         if cls == 0:
             return True  # nothing is more important
         view = self._step_view()
@@ -135,4 +135,7 @@ class SLOGuard:
     def _refuse(self, request: Request, protected: Request, slo: str) -> bool:
         self.num_refused += 1
         self.last_refusal = (request.request_id, protected.request_id, slo)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("sla t=%.3f holds back %s: %s would miss its %s SLO", self.now, request.request_id,
+                         protected.request_id, slo)
         return False
