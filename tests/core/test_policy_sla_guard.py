@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from collections import deque
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -215,3 +216,18 @@ def test_with_the_guard_no_request_waits_past_the_bound_behind_younger_ones_and_
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
         assert r.num_output_tokens == r.sampling_params.max_tokens
     assert_no_leaks(s)
+
+
+def test_the_guard_s_knobs_come_from_the_engine_args_and_a_bad_profile_is_refused_with_why(tmp_path):
+    from tokenweir.config import EngineArgs
+
+    _, sched = EngineArgs(scheduling_policy="sla", sla_protect_slos=False,
+                          sla_cost_profile=_profile(tmp_path)).create_engine_configs(2048, 64)
+    assert sched.policy_config.protect_slos is False and sched.policy_config.cost_profile == _profile(tmp_path)
+    assert SLAPolicy(SLAConfig(protect_slos=False)).guard is None
+    with pytest.raises(ValueError, match="cost profile /no/such.json does not exist"):
+        SLAPolicy(SLAConfig(cost_profile="/no/such.json"))
+    with pytest.raises(ValueError, match="sla cost_profile must be a path"):
+        SLAConfig(cost_profile=3)
+    with pytest.raises(ValueError, match="sla protect_slos must be true or false"):
+        SLAConfig(protect_slos="yes")
