@@ -2,11 +2,13 @@
 
 (a) Overload: the capacity of `tokenweir serve --scheduling-policy fcfs` at this shape is
 measured first (every request sent at once), then the 30% interactive + 70% batch mix is sent
-at --load x that rate to a fresh server per policy (fcfs, priority, sla). (b) Two tenants, one
-sending --heavy-ratio x the other's requests (request body `tenant`), under fcfs and vtc at
-the same rate. Writes docs/benchmarks/sla_serving.json and prints the per-class tables.
+at --load x that rate to a fresh server per policy (fcfs, priority, sla), once per shape of
+interactive SLOs (sla_sim.py's SHAPES) on the same server. (b) Two tenants, one sending
+--heavy-ratio x the other's requests (request body `tenant`), under fcfs and vtc at the same
+rate. Writes docs/benchmarks/sla_serving.json (a part not run keeps its previous results) and
+prints the per-class tables.
 
-    flock -x /work/notes/cpu.lock .venv/bin/python benchmarks/sla_serving.py [--num-prompts 240]
+    flock -x /work/notes/cpu.lock .venv/bin/python benchmarks/sla_serving.py [--num-prompts 240] [--parts overload]
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 from serving import parse_bench_args, wait_ready, warm_up  # benchmarks/serving.py
+from sla_sim import SHAPES  # benchmarks/sla_sim.py
 
 from tokenweir.bench import serve as bench_serve
 from tokenweir.bench.slo_mix import format_class_table
@@ -31,7 +34,6 @@ from tokenweir.model.loader import default_model_path
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
 BIN = Path(sys.executable).parent
-OVERLOAD_MIX = ["interactive:0.3:priority=0:ttft=2000:tpot=250", "batch:0.7:priority=1:ttft=60000:tpot=1000"]
 
 
 def tenant_mix(heavy_ratio: float) -> list[str]:
@@ -97,12 +99,18 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--ready-timeout", type=float, default=600)
+    parser.add_argument("--parts", nargs="+", default=["overload", "tenants"], choices=["overload", "tenants"])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     ns = parser.parse_args()
     tokenizer = ensure_hf_folder(default_model_path())
+    path = OUT / "sla_serving.json"
+    previous = json.loads(path.read_text()) if path.exists() else {}
     report: dict = {"machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, CPython "
                                f"{platform.python_version()}, 2 cores shared with other work",
-                    "args": vars(ns), "overload": {}, "tenants": {}}
-    for policy in ("fcfs", "priority", "sla"):
+                    "args": vars(ns), "overload": previous.get("overload", {}), "tenants": previous.get("tenants", {})}
+    if "overload" in ns.parts:
+        report["overload"] = {}
+    for policy in ("fcfs", "priority", "sla") if "overload" in ns.parts else ():
         with Server(policy, ns) as server:
             warm_up(server.base_url, tokenizer, ignore_eos=True)
             if "capacity_req_s" not in report:
@@ -111,10 +119,16 @@ def main() -> None:
                 report["rate_req_s"] = round(ns.load * capacity["request_throughput"], 3)
                 print(f"capacity {report['capacity_req_s']:.2f} req/s -> rate {report['rate_req_s']} req/s",
                       file=sys.stderr)
-            result = run(server, ns, tokenizer, ns.num_prompts, report["rate_req_s"], ns.seed, OVERLOAD_MIX)
-            report["overload"][policy] = result
-            print(f"== overload, {policy}\n{format_class_table(result['slo_classes'])}", file=sys.stderr)
-    for policy in ("fcfs", "vtc"):
+            for i, shape in enumerate(ns.shapes):  # prompts of another seed per shape: no prefix hits across them
+                result = run(server, ns, tokenizer, ns.num_prompts, report["rate_req_s"], ns.seed + 10 * i,
+                             SHAPES[shape])
+                report["overload"].setdefault(shape, {})[policy] = result
+                print(f"== overload, {shape}, {policy}\n{format_class_table(result['slo_classes'])}", file=sys.stderr)
+    if "capacity_req_s" not in report:  # the tenants part alone: the rate of the last overload run
+        report["capacity_req_s"], report["rate_req_s"] = previous["capacity_req_s"], previous["rate_req_s"]
+    if "tenants" in ns.parts:
+        report["tenants"] = {}
+    for policy in ("fcfs", "vtc") if "tenants" in ns.parts else ():
         with Server(policy, ns) as server:
             warm_up(server.base_url, tokenizer, ignore_eos=True)
             result = run(server, ns, tokenizer, ns.num_prompts, report["rate_req_s"], ns.seed + 1,
@@ -122,7 +136,7 @@ def main() -> None:
             report["tenants"][policy] = result
             print(f"== tenants, {policy}\n{format_class_table(result['slo_classes'])}", file=sys.stderr)
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "sla_serving.json").write_text(json.dumps(report, indent=2))
+    path.write_text(json.dumps(report, indent=2))
 
 
 if __name__ == "__main__":

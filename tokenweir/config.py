@@ -272,6 +272,11 @@ class EngineArgs:
         "max_preemptions", "sla: a request preempted this many times is not preempted again for another")
     sla_drop_expired: bool = _sla_field(
         "drop_expired", "sla: finish requests whose deadline_ms has passed (error 504 deadline_exceeded)")
+    sla_protect_slos: bool = _sla_field(
+        "protect_slos", "sla: keep a less important prefill out of a step that would make a more important "
+                        "running request miss its TTFT or TPOT SLO (step times from sla_cost_profile)")
+    sla_cost_profile: Optional[str] = _sla_field(
+        "cost_profile", "sla: step cost profile (tokenweir profile) for --sla-protect-slos; default: the shipped CPU one")
     sla_tenant_fairness: bool = _sla_field(
         "tenant_fairness", "sla: within a priority class, serve tenants by virtual token counters (VTC)")
     num_priority_classes: int = field(default=_SLA.num_priority_classes, metadata={

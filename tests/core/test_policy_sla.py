@@ -246,8 +246,10 @@ def test_no_request_waits_past_the_bound_behind_younger_ones_and_none_starves(ar
 def test_a_request_preempted_k_times_is_protected_so_no_pair_takes_turns(k):
     """Two late interactive requests and batch ones fighting for one slot, with no margin at
     all: each is preempted for another at most k times, and all finish."""
+    # Urgency outweighs a priority level here; the SLO guard is off: it would keep the batch
+    # requests out of the slot while an interactive one runs, and nobody would be preempted.
     policy = SLAPolicy(SLAConfig(base_weight=1.0, preempt_margin=0.0, max_preemptions=k, urgency_weight=5.0,
-                                  time_window=0.5))  # urgency outweighs a priority level here
+                                  time_window=0.5, protect_slos=False))
     s = create_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=1, num_blocks=64)
     runner = PagedFakeRunner(s.block_size)
     reqs = [_req(f"r{i}", 6, 8, arrival=0.1 * i, ttft_slo=0.5, tpot_slo=0.2, priority=i % 2) for i in range(4)]

@@ -11,6 +11,9 @@ Preemption ranks by the same score. Two rules keep it from thrashing:
   is protected: someone must give way.)
 A waiting request preempts only when that makes room for it: the scheduler counts the victims'
 blocks exactly before preempting anyone.
+
+The SLO guard (sla_guard.py) keeps a less important prefill out of a step that would make a
+more important request miss its TTFT or TPOT SLO.
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ import operator
 from collections.abc import Sequence
 from typing import Optional
 
+from tokenweir.core.cost_model import load_cost_model
 from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest, served_rows
 from tokenweir.core.policies.fair_share import VirtualTokenCounters
+from tokenweir.core.policies.sla_guard import SLOGuard
 from tokenweir.core.policies.sla_queue import SLAQueue
 from tokenweir.core.policies.sla_score import (FAIRNESS_SHORTFALL, SLAConfig, ScoreParts, due_time,
                                                priority_class, score_parts, sigmoid, static_key, urgency)
@@ -49,6 +54,7 @@ class SLAPolicy(SchedulingPolicy):
         cfg = self.config
         self.counters = VirtualTokenCounters(cfg.vtc) if cfg.tenant_fairness else None
         n = cfg.num_priority_classes
+        self.guard = SLOGuard(load_cost_model(cfg.cost_profile), n) if cfg.protect_slos else None
         # Tokens asked for and tokens computed per class, decayed over fairness_window.
         self._demand = [0.0] * n
         self._served = [0.0] * n
@@ -75,7 +81,8 @@ class SLAPolicy(SchedulingPolicy):
         self._queues: list[SLAQueue] = []
 
     def make_waiting_queue(self) -> RequestQueue:
-        queue = SLAQueue(self.config, self.counters, self._on_added, self._on_popped)
+        queue = SLAQueue(self.config, self.counters, self._on_added, self._on_popped,
+                         self.guard.admits if self.guard is not None else None)
         self._queues.append(queue)
         return queue
 
@@ -93,6 +100,8 @@ class SLAPolicy(SchedulingPolicy):
         self._now = now
         self._running_scores.clear()
         self._admitting = None
+        if self.guard is not None:
+            self.guard.begin_step(now, running)
         if len(self._statics) > 2 * len(running) + 1024:  # finished requests' entries, now and then
             live = {r.request_id for r in running}
             self._statics = {rid: v for rid, v in self._statics.items() if rid in live}
@@ -341,6 +350,8 @@ class SLAPolicy(SchedulingPolicy):
         }
         if self.counters is not None:
             stats["tenant_counters"] = self.counters.snapshot()
+        if self.guard is not None:
+            stats["slo_guard_refusals"] = self.guard.num_refused
         return stats
 
 

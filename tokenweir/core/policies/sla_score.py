@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
+from typing import Optional
 
 from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.core.policies.base import PolicyConfig
@@ -84,6 +85,10 @@ class SLAConfig(PolicyConfig):
     preempt_margin: float = 1.5
     max_preemptions: int = 2  # k: a request preempted k times is not preempted for another
     drop_expired: bool = False  # finish requests whose deadline has passed (overload shedding)
+    # Keep a less important prefill out of a step that would make a more important request
+    # miss its TTFT or TPOT SLO (sla_guard.py), by the step times of `cost_profile`.
+    protect_slos: bool = True
+    cost_profile: Optional[str] = None  # a `tokenweir profile` JSON; None: the shipped CPU profile
     num_priority_classes: int = 4
     tenant_fairness: bool = False  # within a class, tenants by VTC (band -> tenant -> score)
     vtc: VTCConfig = field(default_factory=VTCConfig)
@@ -104,7 +109,9 @@ class SLAConfig(PolicyConfig):
             value = getattr(self, name)
             if not is_integer(value) or value < minimum:
                 raise ValueError(f"sla {name} must be an integer >= {minimum}, got {value!r}")
-        for name in ("drop_expired", "tenant_fairness"):
+        if self.cost_profile is not None and not isinstance(self.cost_profile, str):
+            raise ValueError(f"sla cost_profile must be a path, got {self.cost_profile!r}")
+        for name in ("drop_expired", "tenant_fairness", "protect_slos"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sla {name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.vtc, VTCConfig):

@@ -1,0 +1,233 @@
+"""The SLO guard of `sla` (core/policies/sla_guard.py): hand-computed decisions, the step it
+keeps a batch prefill out of, and the wait bound with the guard acting."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, reference_stream
+from tokenweir.core.cost_model import FEATURES, StepCostModel, step_composition
+from tokenweir.core.policies import SLAConfig, SLAPolicy
+from tokenweir.core.policies.sla_guard import SLOGuard
+from tokenweir.core.policies.sla_queue import SLAQueue
+from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
+
+# A step costs 10 ms plus 1 ms per token (a prefill token or a decode row): easy to add by hand.
+STEP, PER_TOKEN = 0.010, 0.001
+COST = StepCostModel({**{name: 0.0 for name in FEATURES}, "step": STEP, "tokens": PER_TOKEN}, 1e9)
+
+
+def _req(rid: str, prompt_len: int, max_tokens: int, arrival: float = 0.0, **hints) -> Request:
+    base = 1000 + 50 * (sum(map(ord, rid)) % 1000)
+    return Request(rid, list(range(base, base + prompt_len)), SamplingParams(max_tokens=max_tokens),
+                   arrival_time=arrival, eos_token_id=EOS, hints=SchedulingHints(**hints))
+
+
+def _decoding(rid: str, first_token_at: float, num_outputs: int, max_tokens: int, tpot_slo: float) -> Request:
+    """An interactive request running its decode: prompt 10, `num_outputs` tokens so far, the
+    first at `first_token_at`, all but the last computed."""
+    r = _req(rid, 10, max_tokens, priority=0, tpot_slo=tpot_slo)
+    for i in range(num_outputs):
+        r.append_output_token(7, first_token_at + 0.001 * i)
+    r.first_token_time = first_token_at
+    r.status = RequestStatus.RUNNING
+    r.num_computed_tokens = r.num_tokens - 1
+    return r
+
+
+def _guard(now: float, running: list[Request]) -> SLOGuard:
+    guard = SLOGuard(COST, num_classes=4)
+    guard.begin_step(now, running)
+    return guard
+
+
+def test_a_batch_prefill_that_would_break_a_decoding_request_s_mean_tpot_is_refused():
+    # First token at 1.0, 3 so far: the next keeps the mean TPOT <= 50 ms if it comes by
+    # 1.0 + 0.05 * 3 = 1.15. At now = 1.1 the step is one decode row: t0 = 10 + 1 = 11 ms.
+    inter = _decoding("i", 1.0, 3, 10, tpot_slo=0.05)
+    guard = _guard(1.1, [inter])
+    # 30 prompt tokens: t1 = 10 + 31 = 41 ms, 1.141 <= 1.15: in.
+    assert guard.admits(_req("b30", 30, 4, priority=1))
+    # 40 tokens: t1 = 51 ms, 1.151 > 1.15, and the SLO can still be met (6 more decodes of
+    # 11 ms end at 1.1 + 0.011 + 0.066 = 1.177 <= 1.0 + 0.05 * 9 = 1.45): refused.
+    assert not guard.admits(_req("b40", 40, 4, priority=1))
+    assert guard.num_refused == 1 and guard.last_refusal == ("b40", "i", "TPOT")
+    # Nothing is more important than class 0, and a request of its own class is not held back.
+    assert guard.admits(_req("i40", 40, 4, priority=0, tpot_slo=0.05))
+    assert _guard(1.1, [_decoding("j", 1.0, 3, 10, tpot_slo=0.05)]).admits(_req("c", 40, 4, priority=0))
+
+
+def test_a_request_behind_that_can_catch_up_is_protected_and_a_hopeless_one_is_not():
+    # Behind: the next token was due by 1.0 + 0.02 * 3 = 1.06 < now. It can still catch up:
+    # 16 more decodes of 11 ms end at 1.1 + 0.011 + 0.176 = 1.287 <= 1.0 + 0.02 * 19 = 1.38.
+    assert not _guard(1.1, [_decoding("i", 1.0, 3, 20, tpot_slo=0.02)]).admits(_req("b", 5, 4, priority=1))
+    # Hopeless: with 6 more decodes the end is 1.177 > 1.0 + 0.01 * 9 = 1.09.
+    assert _guard(1.1, [_decoding("i", 1.0, 3, 10, tpot_slo=0.01)]).admits(_req("b", 5, 4, priority=1))
+
+
+def test_a_batch_prefill_that_would_make_an_interactive_prefill_miss_its_ttft_is_refused():
+    # The interactive prompt of 20 tokens runs its prefill now (t0 = 10 + 20 = 30 ms), due by 50 ms.
+    inter = _req("i", 20, 4, priority=0, ttft_slo=0.05)
+    inter.status = RequestStatus.RUNNING
+    assert _guard(0.0, [inter]).admits(_req("b10", 10, 4, priority=1))  # t1 = 40 ms
+    assert not _guard(0.0, [inter]).admits(_req("b30", 30, 4, priority=1))  # t1 = 60 ms
+    # A TTFT already out of reach without the batch prefill is not protected.
+    late = _req("late", 20, 4, priority=0, ttft_slo=0.02)
+    late.status = RequestStatus.RUNNING
+    assert _guard(0.0, [late]).admits(_req("b30", 30, 4, priority=1))
+
+
+def test_the_guard_sees_requests_admitted_during_the_step_and_recounts_after_a_victim_leaves():
+    running: list[Request] = []
+    guard = _guard(0.0, running)
+    assert guard.admits(_req("b", 30, 4, priority=1))  # nothing more important runs
+    inter = _req("i", 20, 4, priority=0, ttft_slo=0.05)
+    inter.status = RequestStatus.RUNNING
+    running.append(inter)  # the scheduler admitted it
+    assert not guard.admits(_req("b", 30, 4, priority=1))
+    running.remove(inter)  # preempted
+    assert guard.admits(_req("b", 30, 4, priority=1))
+
+
+def _queue(admits) -> SLAQueue:
+    return SLAQueue(SLAConfig(max_wait=10.0), None, lambda r: None, lambda r: None, admits)
+
+
+def test_the_queue_is_false_while_the_guard_refuses_its_head_but_counts_it_and_an_aged_request_passes():
+    queue = _queue(lambda r: False)
+    queue.age(0.0)
+    queue.add(_req("b", 5, 4, priority=1))
+    assert len(queue) == 1 and not queue
+    queue.age(10.0)  # it has waited max_wait: the wait bound wins over the guard
+    assert queue and queue.pop().request_id == "b"
+    assert not _queue(None) and not _queue(lambda r: True)  # empty
+
+
+def _profile(tmp_path) -> str:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(COST.to_dict()))
+    return str(path)
+
+
+def _run(s, requests: list[Request], until: float = 1000.0) -> list:
+    """Drive `s` as the simulator does: arrivals by their time, each step lasting its predicted
+    time; returns the steps' scheduled ids."""
+    runner = PagedFakeRunner(s.block_size)
+    pending = deque(sorted(requests, key=lambda r: r.arrival_time))
+    steps, now = [], 0.0
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0].arrival_time <= now:
+            s.add_request(pending.popleft())
+        if not s.has_unfinished_requests():
+            now = pending[0].arrival_time
+            continue
+        out = s.schedule(now=now)
+        steps.append(set(out.num_scheduled_tokens))
+        now += COST.predict(step_composition(out, s.requests))
+        s.update_from_output(out, runner.execute(out), now=now)
+        assert now < until, "no progress"
+    return steps
+
+
+def test_a_batch_prompt_arriving_with_an_interactive_one_waits_for_its_first_token(tmp_path):
+    """The defect: the budget held both prompts, so sla put them into one step of 10 + 60 ms
+    and the interactive request, due in 50 ms, missed its TTFT for a batch request's prefill."""
+    inter = _req("i", 20, 3, priority=0, ttft_slo=0.05, tpot_slo=0.5)
+    batch = _req("b", 40, 3, priority=1, ttft_slo=60.0)
+    s = create_scheduler(policy=SLAPolicy(SLAConfig(cost_profile=_profile(tmp_path))), max_num_batched_tokens=64,
+                         max_num_seqs=4, num_blocks=64)
+    steps = _run(s, [inter, batch])
+    assert steps[0] == {"i"} and "b" in steps[1]
+    assert inter.first_token_time - inter.arrival_time <= 0.05  # 10 + 20 ms
+    for r in (inter, batch):
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, 3)
+    assert_no_leaks(s)
+    assert s.get_stats().policy["slo_guard_refusals"] >= 1
+
+
+def test_without_the_guard_the_batch_prefill_shares_the_step_and_the_ttft_is_missed(tmp_path):
+    inter = _req("i", 20, 3, priority=0, ttft_slo=0.05)
+    batch = _req("b", 40, 3, priority=1)
+    s = create_scheduler(policy=SLAPolicy(SLAConfig(protect_slos=False)), max_num_batched_tokens=64,
+                         max_num_seqs=4, num_blocks=64)
+    steps = _run(s, [inter, batch])
+    assert steps[0] == {"i", "b"} and inter.first_token_time - inter.arrival_time > 0.05
+    assert_no_leaks(s)
+
+
+def test_a_batch_request_waits_while_decodes_have_no_slack_and_runs_when_they_do(tmp_path):
+    """An interactive request decoding at a TPOT SLO of 12 ms (a decode step is 11 ms): a
+    40-token batch prompt (a 51 ms step) would break its pace, so it waits until the
+    interactive request has finished; with a TPOT SLO of 40 ms, it has banked time enough
+    after a few tokens and the batch prompt is admitted while it decodes."""
+    for tpot, admitted_while_decoding in ((0.012, False), (0.040, True)):
+        inter = _req("i", 5, 30, priority=0, tpot_slo=tpot)
+        batch = _req("b", 40, 3, arrival=0.05, priority=1)
+        s = create_scheduler(policy=SLAPolicy(SLAConfig(cost_profile=_profile(tmp_path))),
+                             max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64)
+        steps = _run(s, [inter, batch])
+        together = any({"i", "b"} <= ids for ids in steps)
+        assert together == admitted_while_decoding, tpot
+        assert (inter.finished_time - inter.first_token_time) / 29 <= tpot
+        assert batch.status == RequestStatus.FINISHED_LENGTH
+        assert_no_leaks(s)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(arrivals=st.lists(st.tuples(st.integers(0, 200).map(lambda centis: centis / 100), st.integers(0, 3),
+                                   st.integers(1, 30), st.integers(1, 12), st.sampled_from([None, 0.02, 0.2]),
+                                   st.sampled_from([None, 0.012, 0.03])), min_size=1, max_size=30),
+       max_wait=st.sampled_from([0.5, 2.0]), num_blocks=st.integers(12, 40))
+def test_with_the_guard_no_request_waits_past_the_bound_behind_younger_ones_and_none_starves(
+        tmp_path, arrivals, max_wait, num_blocks):
+    """Random mixes of classes and tight SLOs on a clock that advances by each step's predicted
+    time (so the guard decides for real): once a request has waited max_wait no younger one is
+    admitted before it, everything finishes with the reference output, nothing leaks."""
+    policy = SLAPolicy(SLAConfig(max_wait=max_wait, cost_profile=_profile(tmp_path)))
+    s = create_scheduler(policy=policy, max_num_batched_tokens=32, max_num_seqs=3, num_blocks=num_blocks)
+    runner = PagedFakeRunner(s.block_size)
+    requests = [_req(f"r{i}", prompt, out, arrival=at, priority=prio, ttft_slo=ttft, tpot_slo=tpot)
+                for i, (at, prio, prompt, out, ttft, tpot) in enumerate(arrivals)]
+    pending = deque(sorted(requests, key=lambda r: r.arrival_time))
+    now = 0.0
+    while pending or s.has_unfinished_requests():
+        while pending and pending[0].arrival_time <= now:
+            s.add_request(pending.popleft())
+        if not s.has_unfinished_requests():
+            now = pending[0].arrival_time
+            continue
+        out = s.schedule(now=now)
+        admitted = [s.requests[n.request_id] for n in out.scheduled_new_reqs]
+        young = [r for r in admitted if now - r.arrival_time < max_wait]
+        left_aged = [r for r in s.waiting if now - r.arrival_time >= max_wait]
+        assert not (young and left_aged), (now, [r.request_id for r in young], [r.request_id for r in left_aged])
+        now += max(COST.predict(step_composition(out, s.requests)), 1e-3)
+        s.update_from_output(out, runner.execute(out), now=now)
+        assert now < 100.0, "no progress"
+    for r in requests:
+        assert r.status == RequestStatus.FINISHED_LENGTH
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+        assert r.num_output_tokens == r.sampling_params.max_tokens
+    assert_no_leaks(s)
+
+
+def test_the_guard_s_knobs_come_from_the_engine_args_and_a_bad_profile_is_refused_with_why(tmp_path):
+    from tokenweir.config import EngineArgs
+
+    _, sched = EngineArgs(scheduling_policy="sla", sla_protect_slos=False,
+                          sla_cost_profile=_profile(tmp_path)).create_engine_configs(2048, 64)
+    assert sched.policy_config.protect_slos is False and sched.policy_config.cost_profile == _profile(tmp_path)
+    assert SLAPolicy(SLAConfig(protect_slos=False)).guard is None
+    with pytest.raises(ValueError, match="cost profile /no/such.json does not exist"):
+        SLAPolicy(SLAConfig(cost_profile="/no/such.json"))
+    with pytest.raises(ValueError, match="sla cost_profile must be a path"):
+        SLAConfig(cost_profile=3)
+    with pytest.raises(ValueError, match="sla protect_slos must be true or false"):
+        SLAConfig(protect_slos="yes")
