@@ -14,7 +14,6 @@ from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_sch
 from tokenweir.core.cost_model import FEATURES, StepCostModel, step_composition
 from tokenweir.core.policies import SLAConfig, SLAPolicy
 from tokenweir.core.policies.sla_guard import SLOGuard
-from tokenweir.core.policies.sla_queue import SLAQueue
 from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
 
 # A step costs 10 ms plus 1 ms per token (a prefill token or a decode row): easy to add by hand.
@@ -94,18 +93,15 @@ def test_the_guard_sees_requests_admitted_during_the_step_and_recounts_after_a_v
     assert guard.admits(_req("b", 30, 4, priority=1))
 
 
-def _queue(admits) -> SLAQueue:
-    return SLAQueue(SLAConfig(max_wait=10.0), None, lambda r: None, lambda r: None, admits)
-
-
-def test_the_queue_is_false_while_the_guard_refuses_its_head_but_counts_it_and_an_aged_request_passes():
-    queue = _queue(lambda r: False)
-    queue.age(0.0)
-    queue.add(_req("b", 5, 4, priority=1))
-    assert len(queue) == 1 and not queue
-    queue.age(10.0)  # it has waited max_wait: the wait bound wins over the guard
-    assert queue and queue.pop().request_id == "b"
-    assert not _queue(None) and not _queue(lambda r: True)  # empty
+def test_the_policy_holds_back_what_the_guard_refuses_and_an_aged_request_passes(tmp_path):
+    policy = SLAPolicy(SLAConfig(max_wait=10.0, cost_profile=_profile(tmp_path)))
+    inter = _req("i", 20, 4, priority=0, ttft_slo=0.05)
+    inter.status = RequestStatus.RUNNING
+    policy.begin_step(0.0, policy.make_waiting_queue(), [inter])
+    batch = _req("b", 30, 4, priority=1)
+    assert not policy.may_admit(batch, 0.0)  # its prefill would make i miss its TTFT
+    assert policy.may_admit(batch, 10.0)  # it has waited max_wait: the wait bound wins
+    assert SLAPolicy(SLAConfig(protect_slos=False)).may_admit(batch, 0.0)
 
 
 def _profile(tmp_path) -> str:

@@ -309,6 +309,9 @@ class Scheduler:
             # Off the queue while deciding: a victim preempted to make room for it goes back to
             # the queue's front, and must not be mistaken for it.
             request = self.admission_order.pop(len(self.running) >= limits.max_num_seqs)
+            if not self.policy.may_admit(request, now):
+                passed_over.append(request)
+                break  # the policy holds the rest back for this step
             if not self._swapped_before(request) and self._try_admit(request, step, now):
                 continue
             passed_over.append(request)
@@ -344,7 +347,8 @@ class Scheduler:
             request = self.swapped.pop()
             num_new = request.num_tokens - request.num_computed_tokens
             pairs = None
-            if self.config.enable_chunked_prefill or num_new <= step.budget:
+            if self.policy.may_admit(request, now) and (self.config.enable_chunked_prefill
+                                                         or num_new <= step.budget):
                 num_new = self._cap_tokens(num_new, step.budget)
                 if step.prefills is None or step.prefills.admits(
                         request, request.num_tokens - request.num_computed_tokens, step.budget):

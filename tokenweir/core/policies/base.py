@@ -104,6 +104,13 @@ class SchedulingPolicy(ABC):
         deadline, fair share): by default never, so a policy keeps strict order unless it says."""
         return False
 
+    def may_admit(self, request: Request, now: float) -> bool:
+        """Whether `request`, next in line (waiting or swapped out), may start in this step,
+        given what the step holds so far (the running list begin_step was given, as the
+        scheduler fills it). False holds it, and everything after it, back until the next
+        step. By default always."""
+        return True
+
     def begin_step(self, now: float, waiting: RequestQueue, running: Sequence[Request]) -> None:
         """Called once per step before anything is scheduled: re-score what depends on time."""
 

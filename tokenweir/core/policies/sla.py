@@ -81,8 +81,7 @@ class SLAPolicy(SchedulingPolicy):
         self._queues: list[SLAQueue] = []
 
     def make_waiting_queue(self) -> RequestQueue:
-        queue = SLAQueue(self.config, self.counters, self._on_added, self._on_popped,
-                         self.guard.admits if self.guard is not None else None)
+        queue = SLAQueue(self.config, self.counters, self._on_added, self._on_popped)
         self._queues.append(queue)
         return queue
 
@@ -291,6 +290,10 @@ class SLAPolicy(SchedulingPolicy):
             if due != math.inf:
                 score += scale * 2.0 * sigmoid(-abs(now - due) / window)
             scores[rid] = score
+
+    def may_admit(self, request: Request, now: float) -> bool:
+        # The SLO guard; a request that waited max_wait passes it (the wait bound).
+        return self.guard is None or self._is_aged(request, now) or self.guard.admits(request)
 
     def may_overtake(self, request: Request, ahead: Request, now: float) -> bool:
         # Never past a higher class, an earlier SLO or deadline, an aged request (the wait

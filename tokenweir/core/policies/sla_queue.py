@@ -160,14 +160,11 @@ class SLAQueue(RequestQueue):
     scale, each class's compensation) in `begin_step` before anything is popped."""
 
     def __init__(self, cfg: SLAConfig, counters: Optional[VirtualTokenCounters],
-                 on_added: Callable[[Request], None], on_popped: Callable[[Request], None],
-                 admits: Optional[Callable[[Request], bool]] = None) -> None:
+                 on_added: Callable[[Request], None], on_popped: Callable[[Request], None]) -> None:
         self.cfg = cfg
         self.counters = counters  # tenant fairness within a class; None: off
         self._on_added = on_added  # a new arrival (not a request put back)
         self._on_popped = on_popped
-        self._admits = admits  # the SLO guard (sla_guard.py); None: off
-        self._next: Optional[_Entry] = None  # best() of the queue as it is, once asked
         self._classes: list[dict[Tenant, _ScoredHeaps]] = [{} for _ in range(cfg.num_priority_classes)]
         self._entries: dict[str, _Entry] = {}
         self._by_arrival: list[tuple[float, int, _Entry]] = []  # to find who reaches max_wait
@@ -187,7 +184,6 @@ class SLAQueue(RequestQueue):
         self._put(request, front=True)
 
     def _put(self, request: Request, front: bool) -> None:
-        self._next = None
         if self.counters is not None:
             self.counters.add_waiting(request.tenant)
         if self.now - request.arrival_time >= self.cfg.max_wait:
@@ -208,7 +204,6 @@ class SLAQueue(RequestQueue):
         return heaps
 
     def _kill(self, entry: _Entry) -> None:
-        self._next = None
         del self._entries[entry.request.request_id]
         request = entry.request
         tenants = self._classes[priority_class(request.priority, self.cfg.num_priority_classes)]
@@ -227,7 +222,7 @@ class SLAQueue(RequestQueue):
         if self._aged:
             request = self._aged.popleft()
         else:
-            entry = self._next if self._next is not None else self.best()[1]
+            _, entry = self.best()
             self._kill(entry)
             request = entry.request
             if self.counters is not None:
@@ -245,20 +240,6 @@ class SLAQueue(RequestQueue):
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._aged)
-
-    def __bool__(self) -> bool:
-        """Whether the next request may be admitted now: the scheduler admits while its queue is
-        true, so the SLO guard's refusal ends this step's admissions (len() still counts every
-        waiting request). A request that waited max_wait is never refused (the wait bound)."""
-        if self._aged:
-            return True
-        if not self._entries:
-            return False
-        if self._admits is None:
-            return True
-        if self._next is None:
-            self._next = self.best()[1]
-        return self._admits(self._next.request)
 
     def __iter__(self) -> Iterator[Request]:
         yield from self._aged
@@ -290,7 +271,6 @@ class SLAQueue(RequestQueue):
     def age(self, now: float) -> None:
         """Move the requests that have waited max_wait to the aged FIFO, oldest first."""
         self.now = now
-        self._next = None  # the time-dependent terms have changed
         horizon = now - self.cfg.max_wait
         heap = self._by_arrival
         while heap and heap[0][0] <= horizon:
