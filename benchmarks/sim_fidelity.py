@@ -32,7 +32,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tokenweir.core.cost_model import load_cost_model
+from tokenweir.core.cost_model import StepComposition, StepCostModel, load_cost_model
 from tokenweir.engine.step_trace import read_step_trace
 from tokenweir.profiling.serving import free_port, region_of, wait_healthy
 
@@ -132,7 +132,7 @@ def main() -> None:
     print_table(result)
 
 
-def step_errors(model, steps) -> dict:
+def step_errors(model: StepCostModel, steps: list[tuple[StepComposition, float]]) -> dict:
     """The profile's error on the real run's steps, per region: the median of predicted / real
     - 1 (its bias, which a simulated queue compounds) and the mean absolute error."""
     by_region: dict[str, list[float]] = {}
