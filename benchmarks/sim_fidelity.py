@@ -9,7 +9,10 @@
 
 It reports, per rate, the relative error (simulated / real - 1) of median and p99 TTFT, median
 and p99 TPOT, median E2EL and output throughput, and writes everything to
-docs/benchmarks/sim_fidelity.json. Run it alone on the machine: every number is a wall-clock
+docs/benchmarks/sim_fidelity.json. The server writes its step trace too, so the profile's
+error on the very steps the trace replay ran is reported as well (per rate and region): it
+tells a cost-model error from one the simulated queue compounds. The trace itself is kept
+in the run's work directory (printed). Run it alone on the machine: every number is a wall-clock
 measurement of the real engine.
 
     python benchmarks/sim_fidelity.py --rate-scales 0.5,1,1.5,2,3 --num-prompts 80
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,7 +32,9 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tokenweir.profiling.serving import free_port, wait_healthy
+from tokenweir.core.cost_model import StepComposition, StepCostModel, load_cost_model
+from tokenweir.engine.step_trace import read_step_trace
+from tokenweir.profiling.serving import free_port, region_of, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "docs" / "benchmarks"
@@ -62,10 +68,20 @@ def main() -> None:
     tokenizer = meta.get("model_path")
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    server = subprocess.Popen([*TOKENWEIR, "serve", "--port", str(port), "--disable-log-stats"], env=env)
+    trace = work / "server-steps.jsonl"
+    server = subprocess.Popen([*TOKENWEIR, "serve", "--port", str(port), "--disable-log-stats",
+                               "--step-trace", str(trace)], env=env)
+    model = load_cost_model(profile)
     rows = []
     try:
         wait_healthy(base_url, server)
+        # The server's first steps pay for lazy set-up (the profile skips them too): a few
+        # requests of random tokens (no prefix of the trace's) go first, unmeasured.
+        run([*TOKENWEIR, "bench", "serve", "--base-url", base_url, "--ignore-eos", "--dataset-name", "random",
+             "--num-prompts", "4", "--random-input-len", "128", "--random-output-len", "16",
+             "--max-concurrency", "2", *(["--tokenizer", tokenizer] if tokenizer else [])],
+            env=env, stdout=subprocess.DEVNULL)
+        steps_before = len(read_step_trace(trace)[1])
         for i, scale in enumerate(float(s) for s in ns.rate_scales.split(",")):
             # A seed per rate: the same prompts again would hit the server's prefix cache, which
             # the simulator (starting cold) does not have.
@@ -90,6 +106,11 @@ def main() -> None:
                    "error": {k: sim[k] / real[k] - 1 for k, _ in METRICS if real[k]},
                    "real_duration_s": real["duration"], "simulated_duration_s": sim["duration"],
                    "simulated_wall_seconds": sim.get("wall_seconds")}
+            # The trace is line-buffered: every step of this rate's replay is on disk now.
+            _, steps = read_step_trace(trace)
+            row["step_error"] = step_errors(model, steps[steps_before:])
+            row["trace_steps"] = [steps_before, len(steps)]
+            steps_before = len(steps)
             rows.append(row)
             print(f"x{scale:g}: " + ", ".join(f"{label} {100 * row['error'].get(k, 0):+.1f}%"
                                                for k, label in METRICS), file=sys.stderr)
@@ -107,7 +128,20 @@ def main() -> None:
         "rates": rows,
     }
     ns.output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"the server's step trace: {trace}", file=sys.stderr)
     print_table(result)
+
+
+def step_errors(model: StepCostModel, steps: list[tuple[StepComposition, float]]) -> dict:
+    """The profile's error on the real run's steps, per region: the median of predicted / real
+    - 1 (its bias, which a simulated queue compounds) and the mean absolute error."""
+    by_region: dict[str, list[float]] = {}
+    for comp, seconds in steps:
+        err = model.predict(comp) / seconds - 1
+        by_region.setdefault(region_of(comp), []).append(err)
+        by_region.setdefault("all", []).append(err)
+    return {region: {"steps": len(e), "median_error": statistics.median(e),
+                     "mape": statistics.fmean(abs(x) for x in e)} for region, e in by_region.items()}
 
 
 def print_table(result: dict) -> None:
@@ -117,6 +151,11 @@ def print_table(result: dict) -> None:
         cells = [f"{row['real'][k]:.0f} / {row['simulated'][k]:.0f} ({100 * row['error'].get(k, 0):+.1f}%)"
                  for k, _ in METRICS]
         print(f"| x{row['rate_scale']:g} | " + " | ".join(cells) + " |")
+    print("\nThe profile on the real run's steps (median predicted / real - 1, MAPE):")
+    for row in result["rates"]:
+        cells = [f"{region} {e['steps']} steps {100 * e['median_error']:+.1f}% ({100 * e['mape']:.1f}%)"
+                 for region, e in row["step_error"].items()]
+        print(f"x{row['rate_scale']:g}: " + ", ".join(cells))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from tokenweir.core.cost_model import (DEFAULT_PROFILE, FEATURES, StepCompositio
                                        chunk_composition, load_cost_model, step_composition)
 
 COEF = {"step": 0.01, "tokens": 0.001, "seqs": 0.0002, "decode_context": 1e-6,
-        "prefill_attention": 1e-8, "sampled": 0.0005, "small_step": 0.004}
+        "prefill_attention": 1e-8, "sampled": 0.0005, "small_step": 0.004, "decode_beyond_knee": 0.0003}
 
 
 def test_chunk_composition_decode_prefill_and_resumed_prefill() -> None:
@@ -58,6 +58,17 @@ def test_predict_is_the_linear_form_and_an_empty_step_is_free() -> None:
     assert model.predict(StepComposition()) == 0.0
 
 
+def test_decode_rows_beyond_the_knee_pay_the_extra() -> None:
+    model = StepCostModel(COEF, swap_bytes_per_second=1e9, decode_knee=2)
+    def decode(n: int) -> StepComposition:
+        return StepComposition(num_decode_seqs=n, decode_context_tokens=10 * n, num_sampled=n)
+    per_row = 0.001 + 0.0002 + 10e-6 + 0.0005
+    assert model.predict(decode(2)) == pytest.approx(0.01 + 2 * per_row)
+    assert model.predict(decode(5)) == pytest.approx(0.01 + 5 * per_row + 3 * 0.0003)
+    # Prefill tokens are not decode rows: a recompute's marginal cost has no knee term.
+    assert model.prefill_seconds(3, 10) == StepCostModel(COEF, 1e9).prefill_seconds(3, 10)
+
+
 def test_prefill_seconds_is_the_marginal_cost_without_the_step_term() -> None:
     model = StepCostModel(COEF, swap_bytes_per_second=1e9, small_step_max_tokens=4)
     # 3 tokens after 10 cached: 3 tokens, 1 row, 3*10+6 pairs, one sampled row; no small-step extra.
@@ -67,7 +78,7 @@ def test_prefill_seconds_is_the_marginal_cost_without_the_step_term() -> None:
 
 
 def test_json_round_trip_and_bad_profiles(tmp_path) -> None:
-    model = StepCostModel(COEF, 2e9, {"model": "m"}, small_step_max_tokens=4)
+    model = StepCostModel(COEF, 2e9, {"model": "m"}, small_step_max_tokens=4, decode_knee=8)
     assert StepCostModel.from_dict(json.loads(json.dumps(model.to_dict()))) == model
     path = tmp_path / "p.json"
     path.write_text(json.dumps(model.to_dict()))
@@ -96,6 +107,17 @@ def test_json_round_trip_and_bad_profiles(tmp_path) -> None:
     bad["swap_bytes_per_second"] = 0
     with pytest.raises(ValueError, match="swap_bytes_per_second"):
         StepCostModel.from_dict(bad)
+    for value in (-1, 2.5, True, "8"):
+        bad = model.to_dict()
+        bad["decode_knee"] = value
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=r"^cost profile .*: cost model decode_knee must be an integer >= 0, got"):
+            load_cost_model(path)
+    # A profile written before the knee existed (no knee, no coefficient for it) has none.
+    old = model.to_dict()
+    del old["decode_knee"], old["coefficients"]["decode_beyond_knee"]
+    assert StepCostModel.from_dict(old).decode_knee == 0
+    assert StepCostModel.from_dict(old).coefficients["decode_beyond_knee"] == 0.0
 
 
 def test_the_shipped_profile_loads_and_describes_the_default_model() -> None:

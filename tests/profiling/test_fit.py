@@ -9,7 +9,8 @@ from tokenweir.core.cost_model import FEATURES, StepCostModel, chunk_composition
 from tokenweir.profiling.fit import fit_cost_model, fit_errors, nnls
 
 TRUE = {"step": 0.012, "tokens": 0.0005, "seqs": 0.0001, "decode_context": 2e-6,
-        "prefill_attention": 5e-7, "sampled": 0.0003, "small_step": 0.009}
+        "prefill_attention": 5e-7, "sampled": 0.0003, "small_step": 0.009, "decode_beyond_knee": 0.0}
+KNEES = (0, 4, 8, 12, 16, 24, 32)
 
 
 def synthetic_steps(rng: np.random.Generator, n: int):
@@ -41,6 +42,28 @@ def test_fit_recovers_known_coefficients_from_noisy_times() -> None:
         assert fitted.coefficients[name] == pytest.approx(TRUE[name], rel=0.1), name
     errors = {e.region: e for e in fit_errors(fitted, comps, times, ["r"] * len(comps))}
     assert errors["all"].mape < 0.02 and errors["all"].num_samples == len(comps)
+
+
+def test_fit_finds_the_decode_knee_and_the_extra_per_row_beyond_it() -> None:
+    rng = np.random.default_rng(3)
+    true = StepCostModel({**TRUE, "small_step": 0.0, "decode_beyond_knee": 0.0008}, 1e9, decode_knee=12)
+    comps = synthetic_steps(rng, 500)
+    times = [true.predict(c) * (1 + rng.normal(0, 0.01)) for c in comps]
+    fitted = fit_cost_model(comps, times, 1e9, decode_knees=KNEES)
+    assert fitted.decode_knee == 12
+    for name in ("step", "tokens", "decode_context", "prefill_attention", "decode_beyond_knee"):
+        assert fitted.coefficients[name] == pytest.approx(true.coefficients[name], rel=0.1), name
+    # Without a knee among the candidates the straight line is worse: the knee is what fits.
+    straight = fit_cost_model(comps, times, 1e9)
+    assert straight.decode_knee == 0 and straight.coefficients["decode_beyond_knee"] == 0.0
+
+    def mape(model: StepCostModel) -> float:
+        return next(e.mape for e in fit_errors(model, comps, times, ["r"] * len(comps)) if e.region == "all")
+    assert mape(fitted) < 0.02 < mape(straight)
+    # A formula without a knee is fitted without one, whatever the candidates.
+    plain = StepCostModel({**TRUE, "small_step": 0.0}, 1e9)
+    assert fit_cost_model(comps, [plain.predict(c) for c in comps], 1e9, decode_knees=KNEES).coefficients[
+        "decode_beyond_knee"] == pytest.approx(0.0, abs=1e-9)
 
 
 def test_fit_of_exact_times_is_exact() -> None:

@@ -10,7 +10,10 @@ A step's time is a linear function of a few features of its composition: per-ste
 scheduler, the Python around the forward pass), per-token work (the weight matmuls), per-row
 work (sampling, per-sequence attention set-up) and attention work (K/V tokens read by decode
 rows, query-key pairs of prefill chunks), plus swap copies at a measured bandwidth. Linear in
-features, so it can be fitted by least squares and read by a person.
+features, so it can be fitted by least squares and read by a person. One feature bends: decode
+rows beyond a knee (chosen by the fit) pay extra each. A few decode rows cost little more than
+one (the step reads every weight once whatever the batch); beyond the knee each row adds its
+own compute, and on a server each stream adds the output path's work on the same cores.
 """
 
 from __future__ import annotations
@@ -83,23 +86,25 @@ def step_composition(out: SchedulerOutput, requests: Mapping[str, Request],
     return total
 
 
-# name -> how the feature is read from a composition and the profile's small-step bound. The
-# fitted coefficients are seconds per unit of the feature.
-FEATURES: dict[str, Callable[[StepComposition, int], float]] = {
-    "step": lambda c, small: 1.0,
-    "tokens": lambda c, small: c.num_tokens,
-    "seqs": lambda c, small: c.num_seqs,
-    "decode_context": lambda c, small: c.decode_context_tokens,
-    "prefill_attention": lambda c, small: c.prefill_attention_pairs,
-    "sampled": lambda c, small: c.num_sampled,
-    # `tokenweir serve` runs steps of a few tokens on one thread fewer (serving_threads.py):
-    # such a step pays a fixed extra that a larger one does not.
-    "small_step": lambda c, small: float(0 < c.num_tokens <= small),
+# name -> how the feature is read from a composition, the profile's small-step bound and its
+# decode knee. The fitted coefficients are seconds per unit of the feature.
+FEATURES: dict[str, Callable[[StepComposition, int, int], float]] = {
+    "step": lambda c, small, knee: 1.0,
+    "tokens": lambda c, small, knee: c.num_tokens,
+    "seqs": lambda c, small, knee: c.num_seqs,
+    "decode_context": lambda c, small, knee: c.decode_context_tokens,
+    "prefill_attention": lambda c, small, knee: c.prefill_attention_pairs,
+    "sampled": lambda c, small, knee: c.num_sampled,
+    # `tokenweir serve --engine-in-process` runs steps of a few tokens on one thread fewer
+    # (serving_threads.py): such a step pays a fixed extra that a larger one does not.
+    "small_step": lambda c, small, knee: float(0 < c.num_tokens <= small),
+    # Decode rows beyond the knee (0: the profile has none).
+    "decode_beyond_knee": lambda c, small, knee: max(0, c.num_decode_seqs - knee) if knee else 0,
 }
 
 
-def feature_vector(comp: StepComposition, small_step_max_tokens: int = 0) -> list[float]:
-    return [float(f(comp, small_step_max_tokens)) for f in FEATURES.values()]
+def feature_vector(comp: StepComposition, small_step_max_tokens: int = 0, decode_knee: int = 0) -> list[float]:
+    return [float(f(comp, small_step_max_tokens, decode_knee)) for f in FEATURES.values()]
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,8 @@ class StepCostModel:
     metadata: dict[str, Any] = field(default_factory=dict)
     # Steps of up to this many tokens ran with fewer threads when profiled (0: none did).
     small_step_max_tokens: int = 0
+    # Decode rows beyond this many pay `decode_beyond_knee` each (0: no knee).
+    decode_knee: int = 0
 
     def __post_init__(self) -> None:
         missing = set(FEATURES) - set(self.coefficients)
@@ -125,9 +132,10 @@ class StepCostModel:
         bw = self.swap_bytes_per_second
         if not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
             raise ValueError(f"cost model swap_bytes_per_second must be a finite number > 0, got {bw!r}")
-        small = self.small_step_max_tokens
-        if not isinstance(small, int) or isinstance(small, bool) or small < 0:
-            raise ValueError(f"cost model small_step_max_tokens must be an integer >= 0, got {small!r}")
+        for name in ("small_step_max_tokens", "decode_knee"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"cost model {name} must be an integer >= 0, got {value!r}")
         # Read once per prediction in the simulator's inner loop: keep them in feature order.
         object.__setattr__(self, "_weights", [float(self.coefficients[n]) for n in FEATURES])
 
@@ -135,7 +143,8 @@ class StepCostModel:
         """Seconds the step takes; an empty step costs nothing."""
         if comp.num_tokens == 0 and comp.swap_bytes == 0:
             return 0.0
-        compute = sum(w * x for w, x in zip(self._weights, feature_vector(comp, self.small_step_max_tokens))) if comp.num_tokens else 0.0
+        features = feature_vector(comp, self.small_step_max_tokens, self.decode_knee)
+        compute = sum(w * x for w, x in zip(self._weights, features)) if comp.num_tokens else 0.0
         return compute + comp.swap_bytes / self.swap_bytes_per_second
 
     def prefill_seconds(self, num_tokens: int, num_context: int = 0) -> float:
@@ -154,15 +163,20 @@ class StepCostModel:
     def to_dict(self) -> dict[str, Any]:
         return {"format": FORMAT, "coefficients": dict(self.coefficients),
                 "swap_bytes_per_second": self.swap_bytes_per_second,
-                "small_step_max_tokens": self.small_step_max_tokens, "metadata": self.metadata}
+                "small_step_max_tokens": self.small_step_max_tokens, "decode_knee": self.decode_knee,
+                "metadata": self.metadata}
 
     @classmethod
     def from_dict(cls, data: Any) -> StepCostModel:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not a step cost profile: expected an object with \"format\": \"{FORMAT}\"")
         try:
-            return cls(dict(data["coefficients"]), data["swap_bytes_per_second"],
-                       dict(data.get("metadata", {})), data.get("small_step_max_tokens", 0))
+            coefficients = dict(data["coefficients"])
+            if "decode_knee" not in data:  # written before the knee existed: it has none
+                coefficients.setdefault("decode_beyond_knee", 0.0)
+            return cls(coefficients, data["swap_bytes_per_second"],
+                       dict(data.get("metadata", {})), data.get("small_step_max_tokens", 0),
+                       data.get("decode_knee", 0))
         except (KeyError, TypeError) as e:
             raise ValueError(f"step cost profile is missing or has a malformed field: {e}") from None
 

@@ -5,8 +5,10 @@ counts as much as a 2 s prefill step: the simulator's TPOT depends on the small 
 right, its TTFT on the large ones. Each kind of step weighs the same in total (samples are
 grouped by the binary magnitude of their decode rows and prefill tokens, and a group of n
 samples gives each 1/n): a load records many more small decode steps than large mixed ones,
-and the fit must not trade the rare shapes for the common one. Coefficients are kept non-negative (no feature makes a step
-faster), which also keeps nearly collinear features (rows and sampled rows) from cancelling.
+and the fit must not trade the rare shapes for the common one. Coefficients are kept
+non-negative (no feature makes a step faster), which also keeps nearly collinear features
+(rows and sampled rows) from cancelling. The decode knee is not a coefficient: each candidate
+is fitted, and the one with the least (weighted) error is kept.
 """
 
 from __future__ import annotations
@@ -56,23 +58,30 @@ class RegionError:
 
 def fit_cost_model(compositions: Sequence[StepComposition], seconds: Sequence[float],
                    swap_bytes_per_second: float, metadata: dict | None = None,
-                   small_step_max_tokens: int = 0) -> StepCostModel:
+                   small_step_max_tokens: int = 0, decode_knees: Sequence[int] = (0,)) -> StepCostModel:
+    """The least-squares fit for each candidate decode knee; the one that fits best."""
     if len(compositions) != len(seconds) or not compositions:
         raise ValueError("fitting needs one time per composition, and at least one sample")
     t = np.asarray(seconds, dtype=float)
     if (t <= 0).any():
         raise ValueError("step times must be > 0")
-    # Scale columns to comparable magnitudes (attention pairs run to millions) so the solver's
-    # tolerances mean the same thing for every feature.
     groups = [(c.num_decode_seqs.bit_length(), c.num_prefill_tokens.bit_length()) for c in compositions]
     sizes = Counter(groups)
     w = np.sqrt([1.0 / sizes[g] for g in groups])  # squared in the least squares: 1/n per sample
-    x = np.array([feature_vector(c, small_step_max_tokens) for c in compositions]) / t[:, None] * w[:, None]
-    scale = np.abs(x).max(axis=0)
-    scale[scale == 0] = 1.0
-    coef = nnls(x / scale, w) / scale
+    best: tuple[float, int, np.ndarray] | None = None
+    for knee in decode_knees:
+        x = np.array([feature_vector(c, small_step_max_tokens, knee) for c in compositions]) / t[:, None] * w[:, None]
+        # Scale columns to comparable magnitudes (attention pairs run to millions) so the
+        # solver's tolerances mean the same thing for every feature.
+        scale = np.abs(x).max(axis=0)
+        scale[scale == 0] = 1.0
+        coef = nnls(x / scale, w)
+        residual = float(np.sum((x / scale @ coef - w) ** 2))
+        if best is None or residual < best[0]:
+            best = (residual, knee, coef / scale)
+    _, knee, coef = best
     return StepCostModel(dict(zip(FEATURES, (float(c) for c in coef))), swap_bytes_per_second,
-                         dict(metadata or {}), small_step_max_tokens)
+                         dict(metadata or {}), small_step_max_tokens, knee)
 
 
 def fit_errors(model: StepCostModel, compositions: Sequence[StepComposition],

@@ -51,13 +51,17 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+# Candidate decode knees (0: none); the fit keeps the one that fits best.
+DECODE_KNEES = (0, 4, 8, 12, 16, 24, 32)
+
+
 def fit_profile(samples: list[StepSample], bandwidth: float, metadata: dict,
                 small_step_max_tokens: int) -> tuple[dict, str]:
     """Fit the samples; returns the profile's JSON object and the printed error table."""
     comps = [s.composition for s in samples]
     secs = [s.seconds for s in samples]
     model = fit_cost_model(comps, secs, bandwidth, {**metadata, "num_samples": len(samples)},
-                           small_step_max_tokens)
+                           small_step_max_tokens, DECODE_KNEES)
     errors = fit_errors(model, comps, secs, [s.region for s in samples])
     model.metadata["fit_error"] = {e.region: {"samples": e.num_samples, "mape": round(e.mape, 4),
                                               "max_error": round(e.max_error, 4)} for e in errors}
@@ -109,7 +113,8 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> int:
         data, table = profile(args, grid, ns.serving_threads)
     print(table)
     coef = ", ".join(f"{k}={v:.3g}" for k, v in data["coefficients"].items())
-    print(f"coefficients (s per unit): {coef}; swap {data['swap_bytes_per_second'] / 1e9:.2f} GB/s")
+    print(f"coefficients (s per unit): {coef}; decode knee {data['decode_knee']}; "
+          f"swap {data['swap_bytes_per_second'] / 1e9:.2f} GB/s")
     ns.output.parent.mkdir(parents=True, exist_ok=True)
     ns.output.write_text(json.dumps(data, indent=2) + "\n")
     print(f"wrote {ns.output}", file=sys.stderr)

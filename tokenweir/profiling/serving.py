@@ -91,7 +91,6 @@ def profile_serving(args: EngineArgs, quick: bool = False) -> tuple[dict, str]:
     import torch
 
     from tokenweir.cli import engine_argv
-    from tokenweir.engine.serving_threads import SMALL_STEP_MAX_TOKENS
     from tokenweir.engine.step_trace import read_step_trace
     from tokenweir.profiling.profile import fit_profile, utc_now
 
@@ -122,9 +121,9 @@ def profile_serving(args: EngineArgs, quick: bool = False) -> tuple[dict, str]:
     device = torch.device(engine["device"])
     blocks = torch.zeros((2, 128, engine["kv_bytes_per_block"] // 2), dtype=torch.uint8, device=device)
     # `serve`'s engine process keeps torch's threads for every step (only --engine-in-process
-    # gives up a core for small steps, which the small-step term was for; here it fits what is left).
+    # gives up a core for small steps): no small-step term.
     metadata = {**engine, "serving_threads": False, "measured_at": utc_now(),
                 "source": "tokenweir serve step trace under bench-serve load",
                 "load_phases": [list(p) for p in (QUICK_PHASES if quick else PHASES)],
                 "profile_seconds": round(time.perf_counter() - start, 1)}
-    return fit_profile(samples, measure_copy_bandwidth([blocks]), metadata, SMALL_STEP_MAX_TOKENS)
+    return fit_profile(samples, measure_copy_bandwidth([blocks]), metadata, 0)
