@@ -182,9 +182,17 @@ def test_outputs_equal_the_in_process_engines_with_logprobs_seeds_and_stop_strin
     def comparable(o):
         c = o.outputs[0]
         return (o.request_id, o.prompt_token_ids, o.finished, c.text, c.token_ids, c.finish_reason,
-                c.stop_reason, c.logprobs, c.cumulative_logprob)
+                c.stop_reason, [list(d) for d in c.logprobs or ()])
+
+    def logprob_values(o):
+        c = o.outputs[0]
+        return [v for d in c.logprobs or () for v in d.values()] + [c.cumulative_logprob or 0.0]
 
     assert [comparable(outs[-1]) for outs in in_engine_process] == [comparable(outs[-1]) for outs in in_process]
+    # The two engines may batch the requests differently (when each arrives is timing), and a
+    # different batch shape changes the last bits of fp32 logits: values equal to rounding.
+    for a, b in zip(in_engine_process, in_process):
+        assert logprob_values(a[-1]) == pytest.approx(logprob_values(b[-1]), rel=1e-4, abs=1e-5)
     for outs in in_engine_process:  # cumulative: each output extends the one before
         for before, after in zip(outs, outs[1:]):
             assert after.outputs[0].token_ids[:len(before.outputs[0].token_ids)] == before.outputs[0].token_ids
