@@ -39,6 +39,14 @@ def _decoding(rid: str, first_token_at: float, num_outputs: int, max_tokens: int
     return r
 
 
+def _admits(guard: SLOGuard, request: Request) -> bool:
+    """The guard's verdict as the scheduler asks it when no cap or cache hit shortens a chunk:
+    each running request computes all it has left, the candidate all its prompt."""
+    step_tokens = {r.request_id: r.num_tokens - r.num_computed_tokens for r in guard._running}
+    return guard.admits(request, request.num_tokens - request.num_computed_tokens, request.num_computed_tokens,
+                        step_tokens)
+
+
 def _guard(now: float, running: list[Request]) -> SLOGuard:
     guard = SLOGuard(COST, num_classes=4)
     guard.begin_step(now, running)
@@ -51,46 +59,46 @@ def test_a_batch_prefill_that_would_break_a_decoding_request_s_mean_tpot_is_refu
     inter = _decoding("i", 1.0, 3, 10, tpot_slo=0.05)
     guard = _guard(1.1, [inter])
     # 30 prompt tokens: t1 = 10 + 31 = 41 ms, 1.141 <= 1.15: in.
-    assert guard.admits(_req("b30", 30, 4, priority=1))
+    assert _admits(guard, _req("b30", 30, 4, priority=1))
     # 40 tokens: t1 = 51 ms, 1.151 > 1.15, and the SLO can still be met (6 more decodes of
     # 11 ms end at 1.1 + 0.011 + 0.066 = 1.177 <= 1.0 + 0.05 * 9 = 1.45): refused.
-    assert not guard.admits(_req("b40", 40, 4, priority=1))
+    assert not _admits(guard, _req("b40", 40, 4, priority=1))
     assert guard.num_refused == 1 and guard.last_refusal == ("b40", "i", "TPOT")
     # Nothing is more important than class 0, and a request of its own class is not held back.
-    assert guard.admits(_req("i40", 40, 4, priority=0, tpot_slo=0.05))
-    assert _guard(1.1, [_decoding("j", 1.0, 3, 10, tpot_slo=0.05)]).admits(_req("c", 40, 4, priority=0))
+    assert _admits(guard, _req("i40", 40, 4, priority=0, tpot_slo=0.05))
+    assert _admits(_guard(1.1, [_decoding("j", 1.0, 3, 10, tpot_slo=0.05)]), _req("c", 40, 4, priority=0))
 
 
 def test_a_request_behind_that_can_catch_up_is_protected_and_a_hopeless_one_is_not():
     # Behind: the next token was due by 1.0 + 0.02 * 3 = 1.06 < now. It can still catch up:
     # 16 more decodes of 11 ms end at 1.1 + 0.011 + 0.176 = 1.287 <= 1.0 + 0.02 * 19 = 1.38.
-    assert not _guard(1.1, [_decoding("i", 1.0, 3, 20, tpot_slo=0.02)]).admits(_req("b", 5, 4, priority=1))
+    assert not _admits(_guard(1.1, [_decoding("i", 1.0, 3, 20, tpot_slo=0.02)]), _req("b", 5, 4, priority=1))
     # Hopeless: with 6 more decodes the end is 1.177 > 1.0 + 0.01 * 9 = 1.09.
-    assert _guard(1.1, [_decoding("i", 1.0, 3, 10, tpot_slo=0.01)]).admits(_req("b", 5, 4, priority=1))
+    assert _admits(_guard(1.1, [_decoding("i", 1.0, 3, 10, tpot_slo=0.01)]), _req("b", 5, 4, priority=1))
 
 
 def test_a_batch_prefill_that_would_make_an_interactive_prefill_miss_its_ttft_is_refused():
     # The interactive prompt of 20 tokens runs its prefill now (t0 = 10 + 20 = 30 ms), due by 50 ms.
     inter = _req("i", 20, 4, priority=0, ttft_slo=0.05)
     inter.status = RequestStatus.RUNNING
-    assert _guard(0.0, [inter]).admits(_req("b10", 10, 4, priority=1))  # t1 = 40 ms
-    assert not _guard(0.0, [inter]).admits(_req("b30", 30, 4, priority=1))  # t1 = 60 ms
+    assert _admits(_guard(0.0, [inter]), _req("b10", 10, 4, priority=1))  # t1 = 40 ms
+    assert not _admits(_guard(0.0, [inter]), _req("b30", 30, 4, priority=1))  # t1 = 60 ms
     # A TTFT already out of reach without the batch prefill is not protected.
     late = _req("late", 20, 4, priority=0, ttft_slo=0.02)
     late.status = RequestStatus.RUNNING
-    assert _guard(0.0, [late]).admits(_req("b30", 30, 4, priority=1))
+    assert _admits(_guard(0.0, [late]), _req("b30", 30, 4, priority=1))
 
 
 def test_the_guard_sees_requests_admitted_during_the_step_and_recounts_after_a_victim_leaves():
     running: list[Request] = []
     guard = _guard(0.0, running)
-    assert guard.admits(_req("b", 30, 4, priority=1))  # nothing more important runs
+    assert _admits(guard, _req("b", 30, 4, priority=1))  # nothing more important runs
     inter = _req("i", 20, 4, priority=0, ttft_slo=0.05)
     inter.status = RequestStatus.RUNNING
     running.append(inter)  # the scheduler admitted it
-    assert not guard.admits(_req("b", 30, 4, priority=1))
+    assert not _admits(guard, _req("b", 30, 4, priority=1))
     running.remove(inter)  # preempted
-    assert guard.admits(_req("b", 30, 4, priority=1))
+    assert _admits(guard, _req("b", 30, 4, priority=1))
 
 
 def test_the_policy_holds_back_what_the_guard_refuses_and_an_aged_request_passes(tmp_path):
@@ -99,9 +107,10 @@ def test_the_policy_holds_back_what_the_guard_refuses_and_an_aged_request_passes
     inter.status = RequestStatus.RUNNING
     policy.begin_step(0.0, policy.make_waiting_queue(), [inter])
     batch = _req("b", 30, 4, priority=1)
-    assert not policy.may_admit(batch, 0.0)  # its prefill would make i miss its TTFT
-    assert policy.may_admit(batch, 10.0)  # it has waited max_wait: the wait bound wins
-    assert SLAPolicy(SLAConfig(protect_slos=False)).may_admit(batch, 0.0)
+    step = {"i": 20}
+    assert not policy.may_admit(batch, 30, 0, step, 0.0)  # its prefill would make i miss its TTFT
+    assert policy.may_admit(batch, 30, 0, step, 10.0)  # it has waited max_wait: the wait bound wins
+    assert SLAPolicy(SLAConfig(protect_slos=False)).may_admit(batch, 30, 0, step, 0.0)
 
 
 def _profile(tmp_path) -> str:
@@ -227,3 +236,80 @@ def test_the_guard_s_knobs_come_from_the_engine_args_and_a_bad_profile_is_refuse
         SLAConfig(cost_profile=3)
     with pytest.raises(ValueError, match="sla protect_slos must be true or false"):
         SLAConfig(protect_slos="yes")
+
+
+def _steps(s, runner, now, n):
+    for _ in range(n):
+        out = s.schedule(now)
+        now += COST.predict(step_composition(out, s.requests))
+        s.update_from_output(out, runner.execute(out), now)
+    return now
+
+
+def test_the_step_view_is_recounted_after_a_one_for_one_preemption(tmp_path):
+    # X takes V's slot (one victim, one admission: the running list keeps its length); the
+    # guard must then count X and not V, and refuse Y, whose prefill would make I late.
+    s = create_scheduler(policy=SLAPolicy(SLAConfig(cost_profile=_profile(tmp_path))), max_num_batched_tokens=256,
+                         max_num_seqs=3, num_blocks=200)
+    runner = PagedFakeRunner(s.block_size)
+    for rid in ("V", "W"):
+        s.add_request(_req(rid, 4, 40, priority=2))
+    now = _steps(s, runner, 0.0, 3)
+    inter = _req("I", 20, 3, arrival=now, priority=0, ttft_slo=0.065)
+    for r in (inter, _req("X", 30, 3, arrival=now, priority=1), _req("Y", 30, 3, arrival=now, priority=1)):
+        s.add_request(r)
+    out = s.schedule(now)
+    assert "Y" not in out.num_scheduled_tokens and {"I", "X"} <= set(out.num_scheduled_tokens)
+    now += COST.predict(step_composition(out, s.requests))
+    s.update_from_output(out, runner.execute(out), now)
+    assert inter.first_token_time - inter.arrival_time <= 0.065
+
+
+def test_the_guard_sees_the_chunks_the_step_gives_not_what_running_requests_have_left(tmp_path):
+    # B prefills 2,000 tokens 16 at a time: counting all it has left would make I's TTFT look
+    # lost already (so unprotected); its 16-token chunk leaves I on time, unless C joins.
+    s = create_scheduler(policy=SLAPolicy(SLAConfig(cost_profile=_profile(tmp_path))), max_num_batched_tokens=256,
+                         max_num_seqs=8, num_blocks=1000, long_prefill_token_threshold=16)
+    runner = PagedFakeRunner(s.block_size)
+    s.add_request(_req("B", 2000, 3, priority=1))
+    now = _steps(s, runner, 0.0, 2)
+    inter = _req("I", 12, 3, arrival=now, priority=0, ttft_slo=0.045)
+    s.add_request(inter)
+    s.add_request(_req("C", 30, 3, arrival=now, priority=1))
+    out = s.schedule(now)
+    assert set(out.num_scheduled_tokens) == {"B", "I"}  # 10 + 16 + 12 = 38 ms; with C 54 ms
+
+
+def test_a_swapped_request_held_back_does_not_hold_back_more_important_arrivals(tmp_path):
+    # B (batch) is swapped out for I1; the guard keeps it out while I0 decodes on a tight
+    # TPOT. I2 arrives later with a TTFT SLO: the swapped B, held back, must not block it.
+    B = _req("B", 300, 5, priority=1)
+    I0 = _req("I0", 5, 150, arrival=0.01, priority=0, tpot_slo=0.012)
+    I1 = _req("I1", 5, 2, arrival=0.05, priority=0, ttft_slo=1.0)
+    I2 = _req("I2", 5, 3, arrival=0.30, priority=0, ttft_slo=0.1)
+    s = create_scheduler(policy=SLAPolicy(SLAConfig(cost_profile=_profile(tmp_path))), max_num_batched_tokens=64,
+                         max_num_seqs=2, num_blocks=200, preemption_mode="swap", num_host_blocks=200)
+    _run(s, [B, I0, I1, I2])
+    assert B.num_preemptions >= 1 and s.policy.guard.num_refused > 0  # the case arose
+    assert I2.first_token_time - I2.arrival_time <= 0.1
+    for r in (B, I0, I1, I2):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+    assert_no_leaks(s)
+
+
+def test_the_policy_is_not_asked_while_no_admission_is_possible(tmp_path):
+    # A full batch that nobody may be preempted from: the guard's view (a pass over the
+    # running requests) is never built.
+    policy = SLAPolicy(SLAConfig(cost_profile=_profile(tmp_path)))
+    asked = []
+    policy.may_admit = lambda *args: asked.append(args) or True
+    s = create_scheduler(policy=policy, max_num_batched_tokens=256, max_num_seqs=4, num_blocks=400)
+    runner = PagedFakeRunner(s.block_size)
+    for i in range(4):
+        s.add_request(_req(f"r{i}", 8, 50, priority=1))
+    now = _steps(s, runner, 0.0, 2)
+    asked.clear()
+    for i in range(10):
+        s.add_request(_req(f"w{i}", 8, 5, arrival=now, priority=1))
+    _steps(s, runner, now, 5)
+    assert asked == []

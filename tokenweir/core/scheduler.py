@@ -111,6 +111,8 @@ class _StepState:
     blocks_to_swap_out: SwapPairs = field(default_factory=list)
     blocks_to_swap_in: SwapPairs = field(default_factory=list)
     prefills: Optional[StepPrefills] = None  # with max_num_partial_prefills > 1
+    held_back: bool = False  # the policy held an admission back: no more this step
+    swap_held: bool = False  # ... or a swap-in
 
 
 @dataclass
@@ -309,12 +311,11 @@ class Scheduler:
             # Off the queue while deciding: a victim preempted to make room for it goes back to
             # the queue's front, and must not be mistaken for it.
             request = self.admission_order.pop(len(self.running) >= limits.max_num_seqs)
-            if not self.policy.may_admit(request, now):
-                passed_over.append(request)
-                break  # the policy holds the rest back for this step
-            if not self._swapped_before(request) and self._try_admit(request, step, now):
+            if not self._swapped_before(request, step) and self._try_admit(request, step, now):
                 continue
             passed_over.append(request)
+            if step.held_back:
+                break  # the policy holds the rest back for this step
             if step.prefills is not None and step.prefills.was_passed(request):
                 continue  # it waits for a long-prefill slot; shorter prompts may pass it
             if len(passed_over) > lookahead or len(self.running) >= limits.max_num_seqs:
@@ -336,9 +337,11 @@ class Scheduler:
         self.step_limits = limits
         return limits
 
-    def _swapped_before(self, request: Request) -> bool:
-        """Whether a request that arrived no later than `request` is swapped out."""
-        return any(r.arrival_time <= request.arrival_time for r in self.swapped)
+    def _swapped_before(self, request: Request, step: _StepState) -> bool:
+        """Whether a request that arrived no later than `request` is swapped out. Not once the
+        policy held a swap-in back this step: then each waiting request gets the policy's own
+        verdict, and a swapped-out one cannot hold back more important arrivals."""
+        return not step.swap_held and any(r.arrival_time <= request.arrival_time for r in self.swapped)
 
     def _swap_in(self, step: _StepState, now: float) -> None:
         """Bring swapped-out requests back in policy order, each with its next tokens, while
@@ -347,10 +350,11 @@ class Scheduler:
             request = self.swapped.pop()
             num_new = request.num_tokens - request.num_computed_tokens
             pairs = None
-            if self.policy.may_admit(request, now) and (self.config.enable_chunked_prefill
-                                                         or num_new <= step.budget):
+            if self.config.enable_chunked_prefill or num_new <= step.budget:
                 num_new = self._cap_tokens(num_new, step.budget)
-                if step.prefills is None or step.prefills.admits(
+                if not self.policy.may_admit(request, num_new, request.num_computed_tokens, step.num_scheduled, now):
+                    step.swap_held = True
+                elif step.prefills is None or step.prefills.admits(
                         request, request.num_tokens - request.num_computed_tokens, step.budget):
                     # As for an admission: the reserve holds unless nothing else runs.
                     pairs = self.kv_cache_manager.swap_in(request, num_new, apply_watermark=bool(self.running))
@@ -374,6 +378,9 @@ class Scheduler:
         num_new = self._cap_tokens(num_new, step.budget)
         victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
         if victims is None:
+            return False
+        if not self.policy.may_admit(request, num_new, num_hit, step.num_scheduled, now):
+            step.held_back = True
             return False
         for victim in victims:
             self._preempt(victim, step)

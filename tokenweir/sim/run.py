@@ -10,6 +10,7 @@ simulated and names the profile it used. Outputs have exactly the workload's len
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -121,6 +122,10 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> dict[str, Any]:
     selected = bench.parse_selected_metrics(ns.percentile_metrics)
     percentiles = bench.parse_percentiles(ns.metric_percentiles)
     cost_model = load_cost_model(ns.profile)
+    if ns.profile is not None and args.sla_cost_profile is None:
+        # The simulated machine is the profile's: sla's SLO guard predicts its steps with it, as
+        # `serve --sla-cost-profile` would there (unless told otherwise).
+        args = dataclasses.replace(args, sla_cost_profile=str(ns.profile))
     result, wall = simulate(args, ns, cost_model, show_progress=not ns.disable_tqdm)
     metrics = compute_metrics(result.records, result.duration_s, percentiles, slos)
     rate = bench.request_rate_field(ns)

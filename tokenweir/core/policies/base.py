@@ -10,7 +10,7 @@ simulator and the engine make the same decisions.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -104,11 +104,13 @@ class SchedulingPolicy(ABC):
         deadline, fair share): by default never, so a policy keeps strict order unless it says."""
         return False
 
-    def may_admit(self, request: Request, now: float) -> bool:
-        """Whether `request`, next in line (waiting or swapped out), may start in this step,
-        given what the step holds so far (the running list begin_step was given, as the
-        scheduler fills it). False holds it, and everything after it, back until the next
-        step. By default always."""
+    def may_admit(self, request: Request, num_new_tokens: int, num_computed_tokens: int,
+                  step_tokens: Mapping[str, int], now: float) -> bool:
+        """Whether `request` (waiting or swapped out), which the scheduler could start now with a
+        chunk of `num_new_tokens` after `num_computed_tokens`, may join this step; `step_tokens`
+        are the tokens the step gives each request so far (the running list begin_step was
+        given, as the scheduler fills it). False holds it back, and ends this step's admissions
+        (for a swapped-out request: its swap-ins). By default always."""
         return True
 
     def begin_step(self, now: float, waiting: RequestQueue, running: Sequence[Request]) -> None:

@@ -23,7 +23,7 @@ import itertools
 import logging
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 from tokenweir.core.cost_model import load_cost_model
@@ -291,9 +291,11 @@ class SLAPolicy(SchedulingPolicy):
                 score += scale * 2.0 * sigmoid(-abs(now - due) / window)
             scores[rid] = score
 
-    def may_admit(self, request: Request, now: float) -> bool:
+    def may_admit(self, request: Request, num_new_tokens: int, num_computed_tokens: int,
+                  step_tokens: Mapping[str, int], now: float) -> bool:
         # The SLO guard; a request that waited max_wait passes it (the wait bound).
-        return self.guard is None or self._is_aged(request, now) or self.guard.admits(request)
+        return (self.guard is None or self._is_aged(request, now)
+                or self.guard.admits(request, num_new_tokens, num_computed_tokens, step_tokens))
 
     def may_overtake(self, request: Request, ahead: Request, now: float) -> bool:
         # Never past a higher class, an earlier SLO or deadline, an aged request (the wait

@@ -23,21 +23,22 @@ nothing is refused while no more important request runs, so a less important req
 most until the more important ones have slack, or max_wait.
 
 The step is seen as the scheduler builds it: the running list (the scheduler's own, read
-live), every request in it computing all its remaining tokens, the candidate all of its prompt.
-The budget's cap on chunks and prefix-cache hits are not known here; both can only make the
-prediction longer, so the guard errs towards protecting.
+live) with the tokens the step gives each so far, and the candidate's chunk as it would be
+admitted (after its prefix-cache hit and the budget's cap). The scheduler asks only once the
+request could be admitted (blocks, slot), so a full batch costs nothing here; the victims an
+admission would preempt still count in t1 (it errs towards refusing).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenweir.core.cost_model import StepComposition, StepCostModel, chunk_composition
 from tokenweir.core.policies.sla_score import priority_class
-from tokenweir.request import Request, RequestStatus
+from tokenweir.request import Request
 
 logger = logging.getLogger("tokenweir.sla")
 
@@ -45,11 +46,26 @@ logger = logging.getLogger("tokenweir.sla")
 @dataclass(slots=True)
 class _StepView:
     counted: int = 0  # running[:counted] are in the sums below
-    composition: StepComposition = StepComposition()
-    decodes: StepComposition = StepComposition()  # the decode rows alone
+    last: Optional[Request] = None  # running[counted - 1] when counted: a victim's removal moves it
+    # The step's composition so far (StepComposition's fields, summed as ints: this runs over
+    # every running request once per step).
+    prefill_tokens: int = 0
+    prefill_seqs: int = 0
+    decode_seqs: int = 0
+    decode_context: int = 0
+    pairs: int = 0
+    sampled: int = 0
     # (class, request) of running requests with a TTFT or TPOT SLO
     with_slo: list[tuple[int, Request]] = field(default_factory=list)
     min_class: int = 1 << 31  # the most important class among them
+
+    def composition(self) -> StepComposition:
+        return StepComposition(self.prefill_tokens, self.prefill_seqs, self.decode_seqs, self.decode_context,
+                               self.pairs, self.sampled)
+
+    def decodes(self) -> StepComposition:
+        return StepComposition(num_decode_seqs=self.decode_seqs, decode_context_tokens=self.decode_context,
+                               num_sampled=self.decode_seqs)
 
 
 class SLOGuard:
@@ -69,42 +85,55 @@ class SLOGuard:
         self._running = running
         self._view = None
 
-    def _step_view(self) -> _StepView:
-        """The step so far, updated for the requests admitted since the last call (recounted
-        when one left the running list: a victim)."""
+    def _step_view(self, step_tokens: Mapping[str, int]) -> _StepView:
+        """The step so far, updated for the requests admitted since the last call; recounted
+        when a victim left the running list (its length, or the request at the counted end,
+        changed: a one-for-one preemption keeps the length)."""
         running, view = self._running, self._view
-        if view is None or len(running) < view.counted:
+        if (view is None or len(running) < view.counted
+                or (view.counted and running[view.counted - 1] is not view.last)):
             view = self._view = _StepView()
+        num_classes = self.num_classes
         for r in running[view.counted:]:
-            if r.status != RequestStatus.RUNNING:
-                continue
-            chunk = chunk_composition(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens,
-                                      r.num_tokens, r.num_prompt_tokens)
-            view.composition += chunk
-            if chunk.num_decode_seqs:
-                view.decodes += chunk
+            n = step_tokens.get(r.request_id, 0)
+            if n:
+                computed = r.num_computed_tokens
+                if n == 1 and computed + 1 >= r.num_tokens and computed >= r.num_prompt_tokens:
+                    view.decode_seqs += 1  # chunk_composition's decode row, without the object
+                    view.decode_context += computed + 1
+                    view.sampled += 1
+                else:
+                    chunk = chunk_composition(n, computed, r.num_tokens, r.num_prompt_tokens)
+                    view.prefill_tokens += chunk.num_prefill_tokens
+                    view.prefill_seqs += chunk.num_prefill_seqs
+                    view.pairs += chunk.prefill_attention_pairs
+                    view.sampled += chunk.num_sampled
             h = r.hints
             if h.ttft_slo is not None or h.tpot_slo is not None:
-                cls = priority_class(r.priority, self.num_classes)
+                cls = priority_class(r.priority, num_classes)
                 view.with_slo.append((cls, r))
                 if cls < view.min_class:
                     view.min_class = cls
         view.counted = len(running)
+        view.last = running[-1] if running else None
         return view
 
-    def admits(self, request: Request) -> bool:
-        """Whether `request`, next in the policy's order, may start in this step."""
+    def admits(self, request: Request, num_new_tokens: int, num_computed_tokens: int,
+               step_tokens: Mapping[str, int]) -> bool:
+        """Whether `request`, next in the policy's order, may start in this step with a chunk of
+        `num_new_tokens` after `num_computed_tokens`; `step_tokens` are the tokens the step
+        gives each request so far."""
         cls = priority_class(request.priority, self.num_classes)
         if cls == 0:
             return True  # nothing is more important
-        view = self._step_view()
+        view = self._step_view(step_tokens)
         if view.min_class >= cls:
             return True
         predict, now = self.cost_model.predict, self.now
-        t0 = predict(view.composition)
-        t1 = predict(view.composition + chunk_composition(
-            request.num_tokens - request.num_computed_tokens, request.num_computed_tokens,
-            request.num_tokens, request.num_prompt_tokens))
+        before = view.composition()
+        t0 = predict(before)
+        t1 = predict(before + chunk_composition(num_new_tokens, num_computed_tokens, request.num_tokens,
+                                                request.num_prompt_tokens))
         t_dec: Optional[float] = None
         for c, r in view.with_slo:
             if c >= cls:
@@ -126,7 +155,7 @@ class SLOGuard:
                         continue  # behind already, and no end to catch up by
                 else:
                     if t_dec is None:
-                        t_dec = predict(view.decodes)
+                        t_dec = predict(view.decodes())
                     if now + t0 + (max_tokens - n - 1) * t_dec > r.first_token_time + h.tpot_slo * (max_tokens - 1):
                         continue  # cannot meet its TPOT SLO any more
                 return self._refuse(request, r, "TPOT")
