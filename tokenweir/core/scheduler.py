@@ -28,7 +28,8 @@ from tokenweir.core.prefill_limits import PartialPrefillLimits, StepPrefills
 from tokenweir.core.preemption import PREEMPTION_KINDS, PreemptionChooser
 from tokenweir.request import Request, RequestStatus, SamplingParams
 
-_RUNNING = RequestStatus.RUNNING  # compared by identity in the per-request loops
+# Compared directly in the per-request loops (the property calls cost more than the loops' work).
+_RUNNING, _FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED  # every status from it on is final
 
 
 @dataclass(slots=True)
@@ -622,7 +623,7 @@ class Scheduler:
                     add_output(num_output)
         finally:
             if any_finished:
-                self.running = [r for r in self.running if not r.is_finished]
+                self.running = [r for r in self.running if r.status < _FINISHED]  # not r.is_finished
         self._in_flight = None
         if feedback:
             self.policy.on_step_served(served, now)
