@@ -3,7 +3,8 @@
 Scenarios: 256 running decodes with 10,000 requests waiting behind the max_num_seqs cap, and
 1,024 running decodes. Also the cost of one prefix-cache block key (BLAKE2b over the canonical
 encoding) beside the 64-bit tuple hash it replaced. Writes docs/benchmarks/scheduler.md (+ .json)
-with the per-step time and the top of a cProfile of the same loop.
+with the per-step time, and the top of a cProfile of the same loop for fcfs and for the slowest
+case at 256 running (every case's profile is in the JSON).
 
     .venv/bin/python benchmarks/scheduler_overhead.py [--steps 2000]
 """
@@ -275,7 +276,8 @@ def main() -> None:
              "CPU time (`time.process_time`) of one `schedule()` + `update_from_output()` in steady "
              "decode, no model; every running request decodes one token per step.", "",
              f"Command: `.venv/bin/python benchmarks/scheduler_overhead.py --steps {args.steps}`  ",
-             f"Machine: {machine}, 2 shared cores (noisy, +-15%).", "",
+             f"Machine: {machine}, 2 shared cores (shared with other jobs: runs minutes apart differ "
+             "by up to 40% per case, so compare cases only within one run, and code only in paired runs).", "",
              "| policy | running | waiting | CPU ms / step | us / running request |", "|---|---|---|---|---|"]
     for r in results:
         lines.append(f"| {r['policy']} | {r['num_running']} | {r['num_waiting']} | {r['cpu_ms_per_step']} "
@@ -293,11 +295,14 @@ def main() -> None:
               "decode it costs one key per request every block_size steps.", "",
               "Where the time goes: the waiting queue costs nothing per step once `max_num_seqs` is "
               "reached (the admission loop stops at its head), so the cost is linear in the number of "
-              "running requests, about 2-3 us each: `update_from_output` (append the token, stop "
-              "checks, publish a block every `block_size` tokens) is about half, `allocate_slots` "
-              "(a new block every 16 tokens, otherwise arithmetic) about a quarter, and building "
-              "the `SchedulerOutput` records the rest. Per-request cost grows at 1,024 running "
-              "(cache misses on the larger working set).", "",
+              "running requests, about 2 us each: `update_from_output` (append the token, stop "
+              "checks, publish a block every `block_size` tokens) is more than half, the running "
+              "loop of `schedule` (a decode whose last block has room is answered by "
+              "`allocate_slots` with one comparison, without the capping and preemption helpers) "
+              "and building the `SchedulerOutput` records the rest. Per-request cost grows at 1,024 "
+              "running (cache misses on the larger working set). The churn cases add about 4 "
+              "admissions and 4 finishes per step: each admission hashes its prompt's blocks "
+              "(BLAKE2b, above) and copies its tokens into `NewRequestData`.", "",
               "The policy cases add to that: the feedback of every step (`StepServed`, one column per "
               "field, and for `vtc` and tenant fairness the counters charged per tenant), and for "
               "`sla` the admission attempt of the queue's head every step: the threshold walk that "
@@ -305,7 +310,9 @@ def main() -> None:
               "against the due time, and takes late requests from both ends of their range, so a "
               "burst of close due times or a backlog of late requests no longer makes it walk "
               "hundreds of entries) and the check that it can preempt nobody, from a per-class floor "
-              "of the running requests' keys without scanning them. Objects "
+              "of the running requests' keys without scanning them. `priority` looks for a victim "
+              "among the running requests whenever its queue's head tries to get in (every step "
+              "here), one key per running request (`priority_key`, an attrgetter). Objects "
               "allocated per request per step and kept to the step's end (a feedback record, a copy "
               "of the sampled tokens, an empty block list) used to push CPython's collector into "
               "passes over every object of the 10,000 waiting requests, 0.1-0.3 ms per step in the "
@@ -315,9 +322,11 @@ def main() -> None:
               "a prediction of that step, and once per adjustment interval (1 s, 50 steps of this "
               "clock) a sort of the window's step periods and two binary searches over the cost model.",
               ""]
-    for r in results:
+    at_256 = [r for r in results if r["num_running"] == 256]
+    slowest = max(at_256[1:], key=lambda r: r["cpu_ms_per_step"])
+    for r in (at_256[0], slowest):
         lines += [f"## Profile: {r['policy']}, {r['num_running']} running, {r['num_waiting']} waiting "
-                  "(top by own time)",
+                  f"(top by own time{', the slowest case of this run' if r is slowest else ''})",
                   "", "```", r["profile_top"], "```", ""]
     (OUT / "scheduler.md").write_text("\n".join(lines))
     for r in results:

@@ -1,4 +1,7 @@
-from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks, KVCacheManager
 from tests.core.helpers import make_request
 
 
@@ -138,3 +141,35 @@ def test_preempted_relookups_are_counted_apart(make_kv):
     assert (s.requests, s.queries, s.hits) == (1, 9, 0)
     assert (s.preempted_requests, s.preempted_queries, s.preempted_hits) == (1, 9, 8)
     kv.free(a)
+
+
+@settings(max_examples=80, deadline=None)
+@given(block_size=st.integers(1, 6), num_blocks=st.integers(1, 12), prompt_len=st.integers(1, 20),
+       chunks=st.lists(st.integers(0, 9), min_size=1, max_size=25))
+def test_allocate_slots_takes_exactly_the_blocks_the_tokens_need(block_size, num_blocks, prompt_len, chunks):
+    """Reference: a request holding T tokens owns ceil(T / block_size) blocks. Growth that fits
+    the last block (decode steps, checked first and inline) takes none and returns EMPTY_BLOCKS
+    itself; growth past it takes the difference or, if the pool is short, nothing at all."""
+    kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+    request = make_request("a", prompt_len, max_tokens=None)
+    kv.allocate_slots(request, 0)  # the request gets its (empty) block table
+    counted = kv._num_new_blocks
+    calls = []
+    kv._num_new_blocks = lambda *args: calls.append(args) or counted(*args)
+    for num_new in chunks:
+        num_owned, num_free = len(kv.get_block_ids("a")), kv.get_num_free_blocks()
+        needed = -(-(request.num_computed_tokens + num_new) // block_size) - num_owned
+        calls.clear()
+        blocks = kv.allocate_slots(request, num_new)
+        assert bool(calls) == (needed > 0)  # room in the last block: answered without the count
+        if needed > num_free:
+            assert blocks is None and len(kv.get_block_ids("a")) == num_owned
+            continue
+        if max(needed, 0) == 0:
+            assert blocks is EMPTY_BLOCKS
+        else:
+            assert blocks.num_blocks == needed and kv.get_block_ids("a")[num_owned:] == blocks.get_block_ids()
+        assert kv.get_num_free_blocks() == num_free - max(needed, 0)
+        request.num_computed_tokens += num_new
+    kv.free(request)
+    assert kv.get_num_free_blocks() == num_blocks

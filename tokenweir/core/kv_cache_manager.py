@@ -182,12 +182,16 @@ class KVCacheManager:
         if the pool cannot supply them. With `apply_watermark` (admitting a waiting request),
         `watermark_blocks` must stay free afterwards; running requests may dip below it.
         """
+        req_blocks = self.req_to_blocks.get(request.request_id)
+        if (req_blocks is not None and not new_computed.blocks
+                and request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+                <= len(req_blocks) * self.block_size):
+            # Most decode steps: the last block has room. Checked inline, before anything else
+            # is looked up, as it runs for every running request of every step.
+            return EMPTY_BLOCKS
         num_new_blocks = self._num_new_blocks(request, num_new_tokens, new_computed, num_new_computed_tokens)
-        if not num_new_blocks and not new_computed and request.request_id in self.req_to_blocks:
-            return EMPTY_BLOCKS  # most decode steps: the last block has room
         if not self._fits(num_new_blocks, new_computed, apply_watermark):
             return None
-        req_blocks = self.req_to_blocks.get(request.request_id)
         if req_blocks is None:
             req_blocks = self.req_to_blocks[request.request_id] = []
             self.num_cached_blocks[request.request_id] = 0
@@ -196,7 +200,9 @@ class KVCacheManager:
             self.block_pool.touch(new_computed.blocks)
             req_blocks.extend(new_computed.blocks)
             self.num_cached_blocks[request.request_id] = len(req_blocks)
-        new_blocks = self.block_pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
+        if not num_new_blocks:
+            return EMPTY_BLOCKS
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
         req_blocks.extend(new_blocks)
         return KVCacheBlocks(tuple(new_blocks))
 

@@ -28,6 +28,9 @@ from tokenweir.core.prefill_limits import PartialPrefillLimits, StepPrefills
 from tokenweir.core.preemption import PREEMPTION_KINDS, PreemptionChooser
 from tokenweir.request import Request, RequestStatus, SamplingParams
 
+# Compared directly in the per-request loops (the property calls cost more than the loops' work).
+_RUNNING, _FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED  # every status from it on is final
+
 
 @dataclass(slots=True)
 class NewRequestData:
@@ -97,7 +100,7 @@ class SchedulerStats:
     batch_limits: Optional[StepLimits] = None  # of the latest step; None before the first
 
 
-@dataclass
+@dataclass(slots=True)
 class _StepState:
     """Bookkeeping of the step being built, so a preemption can undo a victim's share."""
 
@@ -286,15 +289,21 @@ class Scheduler:
             self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED, now)
 
         # 1. Running requests keep their place; each continues its prefill or decodes a token.
+        allocate = self.kv_cache_manager.allocate_slots
         for request in list(self.running):
             if step.budget == 0:
                 break
-            if request.status != RequestStatus.RUNNING:
+            if request.status is not _RUNNING:
                 continue  # preempted earlier in this step to make room for another
-            num_new = self._cap_tokens(request.num_tokens - request.num_computed_tokens, step.budget)
-            blocks = self._allocate_or_preempt(request, num_new, step, now)
-            if blocks is not None:
-                self._schedule_tokens(request, num_new, blocks, step)
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new > 1:  # a prefill chunk (a decode's one token fits any budget left)
+                num_new = self._cap_tokens(num_new, step.budget)
+            blocks = allocate(request, num_new)
+            if blocks is None:
+                blocks = self._allocate_or_preempt(request, num_new, step, now)
+                if blocks is None:
+                    continue  # it was preempted itself
+            self._schedule_tokens(request, num_new, blocks, step)
 
         # 2. Swapped-out requests come back when their blocks fit, but never in a step that
         # swapped out: its copies out and in could overwrite each other's blocks.
@@ -453,16 +462,17 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepState,
                              now: float) -> Optional[KVCacheBlocks]:
-        """Blocks for `num_new` more tokens of a running request, preempting victims in policy
-        order until they fit or the request itself is the victim (then None)."""
+        """Blocks for `num_new` more tokens of a running request that do not fit as things
+        are, preempting victims in policy order until they fit or the request itself is the
+        victim (then None)."""
         while True:
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new)
-            if blocks is not None:
-                return blocks
             victim = self.policy.select_victim(self.running, now)
             self._preempt(victim, step)
             if victim is request:
                 return None
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if blocks is not None:
+                return blocks
 
     def _preempt(self, victim: Request, step: _StepState) -> None:
         """Swap the victim out (its computed K/V to host blocks, to the swapped queue) or
@@ -512,9 +522,9 @@ class Scheduler:
     def _schedule_tokens(request: Request, num_new: int, blocks: KVCacheBlocks, step: _StepState) -> None:
         step.num_scheduled[request.request_id] = num_new
         step.budget -= num_new
-        if blocks:
+        if blocks is not EMPTY_BLOCKS:  # the manager hands out EMPTY_BLOCKS for "no new block"
             step.new_block_ids[request.request_id] = blocks.get_block_ids()
-        if step.prefills is not None and request.num_tokens - request.num_computed_tokens > 1:
+        if step.prefills is not None and len(request.all_token_ids) - request.num_computed_tokens > 1:
             step.prefills.add(request, num_new)  # a prefill (a decode, most calls, skips the call)
 
     def _top_up(self, step: _StepState) -> None:
@@ -533,17 +543,18 @@ class Scheduler:
                 continue
             step.num_scheduled[request_id] = num_scheduled + extra
             step.budget -= extra
-            if blocks:
+            if blocks is not EMPTY_BLOCKS:
                 step.new_block_ids.setdefault(request_id, []).extend(blocks.get_block_ids())
 
     def _make_output(self, step: _StepState) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        num_scheduled, admitted, new_block_ids = step.num_scheduled, step.admitted, step.new_block_ids
         for request in self.running:  # running order is the runner's batch order
             rid = request.request_id
-            if rid not in step.num_scheduled:
+            if rid not in num_scheduled:
                 continue
-            if rid in step.admitted:
+            if admitted and rid in admitted:
                 new_reqs.append(NewRequestData(
                     request_id=rid, token_ids=list(request.all_token_ids),
                     num_prompt_tokens=request.num_prompt_tokens,
@@ -551,8 +562,7 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                     sampling_params=request.sampling_params))
             else:
-                cached_reqs.append(CachedRequestData(
-                    rid, step.new_block_ids.get(rid, ()), request.num_computed_tokens))
+                cached_reqs.append(CachedRequestData(rid, new_block_ids.get(rid, ()), request.num_computed_tokens))
         # Checked for real (not an assert, which `python -O` drops): a runner handed more than
         # the budget may run out of activation memory.
         # A step's lower sequence cap only holds back admissions, so the configured one bounds
@@ -564,7 +574,7 @@ class Scheduler:
                                f"(max_num_seqs={self.config.max_num_seqs})")
         finished = self.take_finished_req_ids()
         step_id = next(self._step_ids)
-        self._in_flight = _InFlight(step_id, {rid: self.requests[rid] for rid in step.num_scheduled},
+        self._in_flight = _InFlight(step_id, dict(zip(num_scheduled, map(self.requests.__getitem__, num_scheduled))),
                                     step.swapped_out)
         # A request preempted and re-admitted within one step is in both preempted_req_ids and
         # new_reqs: runners drop preempted state before taking in new requests.
@@ -597,10 +607,16 @@ class Scheduler:
         feedback = self._policy_wants_feedback
         served = StepServed([], [], [], [])
         any_finished = False
+        # Bound once: the loop runs for every scheduled request of every step.
+        requests, cache_blocks, check_stop = in_flight.requests, self.kv_cache_manager.cache_blocks, self._check_stop
+        add_update = updates.append
+        add_served = served.requests.append
+        add_computed, add_recomputed = served.num_computed_tokens.append, served.num_recomputed_tokens.append
+        add_output = served.num_output_tokens.append
         try:
             for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
-                request = in_flight.requests[request_id]
-                if request.status is not RequestStatus.RUNNING:
+                request = requests[request_id]
+                if request.status is not _RUNNING:
                     continue  # aborted after it was scheduled (its id may already be reused)
                 start = request.num_computed_tokens
                 end = request.num_computed_tokens = start + num_tokens
@@ -609,30 +625,29 @@ class Scheduler:
                     request.max_computed_tokens = end
                 else:
                     num_recomputed = num_tokens
-                self.kv_cache_manager.cache_blocks(request)
+                cache_blocks(request)
                 num_output = 0
-                if end == request.num_tokens:
+                if end == len(request.all_token_ids):
                     sampled = sampled_token_ids.get(request_id)
                     if not sampled:
                         raise RuntimeError(f"request {request_id!r} finished its prefill but no token was sampled")
                     for token_id in sampled:
                         request.append_output_token(token_id, now)
                         num_output += 1
-                        status = self._check_stop(request, token_id)
+                        status = check_stop(request, token_id)
                         if status is not None:
                             self._finish(request, status, now)
                             any_finished = True
                             break
-                    updates.append(RequestUpdate(
-                        request, sampled if num_output == len(sampled) else sampled[:num_output]))
+                    add_update(RequestUpdate(request, sampled if num_output == len(sampled) else sampled[:num_output]))
                 if feedback:
-                    served.requests.append(request)
-                    served.num_computed_tokens.append(num_tokens)
-                    served.num_recomputed_tokens.append(num_recomputed)
-                    served.num_output_tokens.append(num_output)
+                    add_served(request)
+                    add_computed(num_tokens)
+                    add_recomputed(num_recomputed)
+                    add_output(num_output)
         finally:
             if any_finished:
-                self.running = [r for r in self.running if not r.is_finished]
+                self.running = [r for r in self.running if r.status < _FINISHED]  # not r.is_finished
         self._in_flight = None
         if feedback:
             self.policy.on_step_served(served, now)
@@ -658,14 +673,15 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
         params = request.sampling_params
-        if (request.num_tokens >= self.max_model_len
-                or (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens)):
+        num_output, max_tokens = len(request.output_token_ids), params.max_tokens
+        if (len(request.all_token_ids) >= self.max_model_len
+                or (max_tokens is not None and num_output >= max_tokens)):
             return RequestStatus.FINISHED_LENGTH
-        if request.num_output_tokens < params.min_tokens:
+        if num_output < params.min_tokens:
             return None
         if token_id == request.eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
+        if params.stop_token_ids and token_id in params.stop_token_ids:
             request.stop_reason = token_id
             return RequestStatus.FINISHED_STOPPED
         return None

@@ -1,16 +1,18 @@
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from operator import attrgetter
 
 from tokenweir.core.policies.base import SchedulingPolicy
 from tokenweir.core.queues import KeyedQueue, RequestQueue
 from tokenweir.request import Request
 
 
-def priority_key(request: Request) -> tuple[int, float, str]:
-    # A total order: with ties left to list order, a re-admitted victim could outrank the
-    # request that preempted it, and two equal requests would preempt each other forever.
-    return (request.priority, request.arrival_time, request.request_id)
+# (priority, arrival_time, request_id) of a request. A total order: with ties left to list
+# order, a re-admitted victim could outrank the request that preempted it, and two equal
+# requests would preempt each other forever. An attrgetter (C) rather than a function: the
+# victim search applies it to every running request each time the queue's head tries to get in.
+priority_key: Callable[[Request], tuple[int, float, str]] = attrgetter("hints.priority", "arrival_time", "request_id")
 
 
 class PriorityPolicy(SchedulingPolicy):
