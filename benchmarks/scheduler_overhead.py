@@ -19,7 +19,7 @@ import platform
 import pstats
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_slo import SLOBatchConfig
@@ -45,6 +45,14 @@ def mixed_hints(i: int) -> SchedulingHints:
                            deadline=600.0 if i % 10 == 9 else None)
 
 
+def batch_backlog_hints(i: int) -> SchedulingHints:
+    """Overload as it looks under `sla`: the running requests mix both classes (the first 256
+    of the burst), the backlog is batch only (interactive arrivals are admitted at once), so the
+    queue's head is less important than requests running: sla's SLO guard has work to do."""
+    h = mixed_hints(i)
+    return h if i < 256 else SchedulingHints(priority=1, tenant=h.tenant, ttft_slo=30.0, tpot_slo=1.0)
+
+
 # Concurrent partial prefills on (core/prefill_limits.py): prompts of 128 tokens are long.
 PARTIAL_PREFILLS = dict(max_num_partial_prefills=4, max_long_partial_prefills=1, long_prefill_token_threshold=64)
 # The slo case: a target loose enough for every running request (the cap stays at 256), so
@@ -53,7 +61,8 @@ SLO_BATCH = dict(batch_controller="slo", batch_control_config=SLOBatchConfig(tar
 
 
 def build(num_running: int, num_waiting: int, prompt_len: int = 128, policy: str = "fcfs",
-          policy_config=None, options: Optional[dict] = None) -> Scheduler:
+          policy_config=None, options: Optional[dict] = None,
+          hints_of: Callable[[int], SchedulingHints] = mixed_hints) -> Scheduler:
     block_size = 16
     blocks_per_req = (prompt_len + 4096) // block_size + 1  # room to decode for a long time
     sched = Scheduler(
@@ -63,7 +72,7 @@ def build(num_running: int, num_waiting: int, prompt_len: int = 128, policy: str
     params = SamplingParams(max_tokens=None, ignore_eos=True)
     for i in range(num_running + num_waiting):
         prompt = [(i * 7 + j) % 50000 for j in range(prompt_len)]
-        hints = mixed_hints(i) if policy != "fcfs" else SchedulingHints()
+        hints = hints_of(i) if policy != "fcfs" else SchedulingHints()
         # Arrivals 1 ms apart, all before the clock starts: the queue is one burst deep.
         sched.add_request(Request(f"req-{i}", prompt, params, arrival_time=i * 1e-3, eos_token_id=2,
                                   hints=hints))
@@ -132,11 +141,13 @@ def build_long_slot_taken(num_running: int, num_waiting: int, steps: int) -> Sch
 
 
 def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs", policy_config=None,
-            options: Optional[dict] = None, long_slot_taken: bool = False) -> dict:
+            options: Optional[dict] = None, long_slot_taken: bool = False,
+            hints_of: Callable[[int], SchedulingHints] = mixed_hints) -> dict:
     if long_slot_taken:
         sched = build_long_slot_taken(num_running, num_waiting, steps)
     else:
-        sched = build(num_running, num_waiting, policy=policy, policy_config=policy_config, options=options)
+        sched = build(num_running, num_waiting, policy=policy, policy_config=policy_config, options=options,
+                      hints_of=hints_of)
     if options is not None and "batch_controller" in options:
         assert len(sched.running) == num_running, "the slo cap must hold every running request here"
     settle(sched)
@@ -146,6 +157,8 @@ def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs"
     per_step_ms = (time.process_time() - start) / steps * 1e3
     top = profile_top(lambda: run_steps(sched, min(steps, 500)))
     label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
+    if hints_of is batch_backlog_hints:
+        label += ", batch-only backlog"
     options = dict(options or {})
     composition = options.pop("composition", None)
     if options.pop("batch_controller", None) is not None:
@@ -244,12 +257,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--cases", nargs="+", default=None,
-                        choices=["fcfs", "fcfs-1024", "sla", "sla-tenants", "vtc", "slo", "partial-prefills",
+                        choices=["fcfs", "fcfs-1024", "sla", "sla-batch-backlog", "sla-tenants", "vtc", "slo", "partial-prefills",
                                  "partial-prefills-passing", "cache-aware", "priority-cache-aware", "churn-policy",
                                  "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped"])
     args = parser.parse_args()
     cases = {"fcfs": lambda: measure(256, 10_000, args.steps), "fcfs-1024": lambda: measure(1024, 0, args.steps // 2),
              "sla": lambda: measure(256, 10_000, args.steps, "sla"),
+             "sla-batch-backlog": lambda: measure(256, 10_000, args.steps, "sla", hints_of=batch_backlog_hints),
              "sla-tenants": lambda: measure(256, 10_000, args.steps, "sla", SLAConfig(tenant_fairness=True)),
              "vtc": lambda: measure(256, 10_000, args.steps, "vtc"),
              "slo": lambda: measure(256, 10_000, args.steps, options=SLO_BATCH),
