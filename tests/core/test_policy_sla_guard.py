@@ -119,9 +119,9 @@ def _profile(tmp_path) -> str:
     return str(path)
 
 
-def _run(s, requests: list[Request], until: float = 1000.0) -> list:
+def _run(s, requests: list[Request], until: float = 1000.0, check=None) -> list:
     """Drive `s` as the simulator does: arrivals by their time, each step lasting its predicted
-    time; returns the steps' scheduled ids."""
+    time; returns the steps' scheduled ids. `check(out, now)` sees every step as scheduled."""
     runner = PagedFakeRunner(s.block_size)
     pending = deque(sorted(requests, key=lambda r: r.arrival_time))
     steps, now = [], 0.0
@@ -132,6 +132,8 @@ def _run(s, requests: list[Request], until: float = 1000.0) -> list:
             now = pending[0].arrival_time
             continue
         out = s.schedule(now=now)
+        if check is not None:
+            check(out, now)
         steps.append(set(out.num_scheduled_tokens))
         now += COST.predict(step_composition(out, s.requests))
         s.update_from_output(out, runner.execute(out), now=now)
@@ -197,25 +199,16 @@ def test_with_the_guard_no_request_waits_past_the_bound_behind_younger_ones_and_
     admitted before it, everything finishes with the reference output, nothing leaks."""
     policy = SLAPolicy(SLAConfig(max_wait=max_wait, cost_profile=_profile(tmp_path)))
     s = create_scheduler(policy=policy, max_num_batched_tokens=32, max_num_seqs=3, num_blocks=num_blocks)
-    runner = PagedFakeRunner(s.block_size)
     requests = [_req(f"r{i}", prompt, out, arrival=at, priority=prio, ttft_slo=ttft, tpot_slo=tpot)
                 for i, (at, prio, prompt, out, ttft, tpot) in enumerate(arrivals)]
-    pending = deque(sorted(requests, key=lambda r: r.arrival_time))
-    now = 0.0
-    while pending or s.has_unfinished_requests():
-        while pending and pending[0].arrival_time <= now:
-            s.add_request(pending.popleft())
-        if not s.has_unfinished_requests():
-            now = pending[0].arrival_time
-            continue
-        out = s.schedule(now=now)
+
+    def no_younger_admitted_past_an_aged_one(out, now):
         admitted = [s.requests[n.request_id] for n in out.scheduled_new_reqs]
         young = [r for r in admitted if now - r.arrival_time < max_wait]
         left_aged = [r for r in s.waiting if now - r.arrival_time >= max_wait]
         assert not (young and left_aged), (now, [r.request_id for r in young], [r.request_id for r in left_aged])
-        now += max(COST.predict(step_composition(out, s.requests)), 1e-3)
-        s.update_from_output(out, runner.execute(out), now=now)
-        assert now < 100.0, "no progress"
+
+    _run(s, requests, until=100.0, check=no_younger_admitted_past_an_aged_one)
     for r in requests:
         assert r.status == RequestStatus.FINISHED_LENGTH
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
