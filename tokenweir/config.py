@@ -418,14 +418,19 @@ class EngineArgs:
 
     def _policy_config(self) -> Optional[PolicyConfig]:
         """The knobs of the chosen policy (None: a policy without knobs takes its defaults)."""
+        sla_knobs = [f.name for f in fields(SLAConfig) if f.name not in ("num_priority_classes", "vtc")]
+        if self.scheduling_policy != "sla":
+            given = [f"sla_{k}" for k in sla_knobs if getattr(self, f"sla_{k}") != getattr(_SLA, k)]
+            if given:
+                raise ValueError(f"{', '.join(given)} only apply to scheduling_policy 'sla', "
+                                 f"not {self.scheduling_policy!r}")
         if self.scheduling_policy not in ("sla", "vtc"):
             return None
         vtc = VTCConfig(input_weight=self.vtc_input_weight, output_weight=self.vtc_output_weight,
                         tenant_weights=parse_tenant_weights(self.vtc_tenant_weights))
         if self.scheduling_policy == "vtc":
             return vtc
-        knobs = {f.name: getattr(self, f"sla_{f.name}") for f in fields(SLAConfig)
-                 if f.name not in ("num_priority_classes", "vtc")}
+        knobs = {k: getattr(self, f"sla_{k}") for k in sla_knobs}
         return SLAConfig(**knobs, num_priority_classes=self.num_priority_classes, vtc=vtc)
 
     def num_host_blocks(self, kv_block_bytes: int) -> int:

@@ -306,3 +306,13 @@ def test_the_policy_is_not_asked_while_no_admission_is_possible(tmp_path):
         s.add_request(_req(f"w{i}", 8, 5, arrival=now, priority=1))
     _steps(s, runner, now, 5)
     assert asked == []
+
+
+def test_sla_knobs_with_another_policy_are_refused_with_why():
+    from tokenweir.config import EngineArgs
+
+    with pytest.raises(ValueError, match=r"sla_protect_slos, sla_cost_profile only apply to scheduling_policy .sla., "
+                                         r"not 'priority'"):
+        EngineArgs(scheduling_policy="priority", sla_protect_slos=False,
+                   sla_cost_profile="x.json").create_engine_configs(2048, 64)
+    EngineArgs(scheduling_policy="priority").create_engine_configs(2048, 64)  # the defaults are fine

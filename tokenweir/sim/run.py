@@ -122,7 +122,7 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> dict[str, Any]:
     selected = bench.parse_selected_metrics(ns.percentile_metrics)
     percentiles = bench.parse_percentiles(ns.metric_percentiles)
     cost_model = load_cost_model(ns.profile)
-    if ns.profile is not None and args.sla_cost_profile is None:
+    if ns.profile is not None and args.scheduling_policy == "sla" and args.sla_cost_profile is None:
         # The simulated machine is the profile's: sla's SLO guard predicts its steps with it, as
         # `serve --sla-cost-profile` would there (unless told otherwise).
         args = dataclasses.replace(args, sla_cost_profile=str(ns.profile))
