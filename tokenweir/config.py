@@ -391,7 +391,7 @@ class EngineArgs:
                                     composition=CompositionConfig(self.admission_order, self.admission_max_wait,
                                                                   self.admission_window),
                                     batch_controller=self.batch_controller,
-                                    batch_control_config=self._batch_control_config(budget, max_num_seqs))
+                                    batch_control_config=self._batch_control_config(budget))
         return cache, scheduler
 
     _SLO_BATCH_ARGS = {"min_num_batched_tokens": "min_num_batched_tokens", "min_num_seqs": "min_num_seqs",
@@ -400,7 +400,7 @@ class EngineArgs:
                        "batch_control_interval": "interval", "batch_control_hysteresis": "hysteresis",
                        "target_ttft_ms": "target_ttft_ms"}
 
-    def _batch_control_config(self, max_num_batched_tokens: int, max_num_seqs: int) -> Optional[SLOBatchConfig]:
+    def _batch_control_config(self, max_num_batched_tokens: int) -> Optional[SLOBatchConfig]:
         given = {arg: getattr(self, arg) for arg in ("target_tpot_ms", *self._SLO_BATCH_ARGS)
                  if getattr(self, arg) is not None}
         if self.batch_controller != "slo":
@@ -411,9 +411,9 @@ class EngineArgs:
         if self.target_tpot_ms is None:
             raise ValueError("batch_controller 'slo' needs target_tpot_ms (the p99 ITL/TPOT to keep under)")
         knobs = {knob: given[arg] for arg, knob in self._SLO_BATCH_ARGS.items() if arg in given}
-        # A default minimum yields to smaller maxima; one the user gave is checked against them.
+        # The default minimum budget yields to a smaller maximum; one the user gave is checked
+        # against it. (The default minimum cap, 1, fits any maximum.)
         knobs.setdefault("min_num_batched_tokens", min(_SLO_BATCH.min_num_batched_tokens, max_num_batched_tokens))
-        knobs.setdefault("min_num_seqs", min(_SLO_BATCH.min_num_seqs, max_num_seqs))
         return SLOBatchConfig(target_tpot_ms=self.target_tpot_ms, **knobs)
 
     def _policy_config(self) -> Optional[PolicyConfig]:
