@@ -86,3 +86,52 @@ def test_a_victim_whose_blocks_are_shared_frees_only_what_it_alone_holds(make_sc
     run_until_done(s, runner)
     for r in (keep, twin, high):
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+
+
+def test_a_chunked_prompt_preempts_only_for_room_for_the_whole_prompt(make_scheduler):
+    # 8 blocks of 4, prefill chunks of 2 tokens: "top" and "low" hold 4 blocks each and decode
+    # their last token inside them. "mid"'s first chunk (1 block) would fit once "low" is gone,
+    # but its whole prompt (5 blocks) never fits beside "top": preempting "low" for the chunk
+    # would only make "mid" preempt again, or preempt itself, at its next chunks.
+    s = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=64, long_prefill_token_threshold=2,
+                       enable_prefix_caching=False)
+    runner = PagedFakeRunner(s.block_size)
+    top = make_request("top", 15, max_tokens=2, priority=0)
+    low = make_request("low", 15, max_tokens=2, priority=9)
+    s.add_request(top)
+    s.add_request(low)
+    while top.num_output_tokens == 0 or low.num_output_tokens == 0:
+        step(s, runner)
+    mid = make_request("mid", 18, max_tokens=1, priority=5)
+    s.add_request(mid)
+    out = step(s, runner)
+    assert out.preempted_req_ids == set() and low.num_preemptions == 0
+    assert mid.status == RequestStatus.WAITING
+    run_until_done(s, runner)
+    for r in (top, low, mid):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+
+
+def test_a_victim_is_not_readmitted_in_the_step_that_preempted_it(make_scheduler):
+    # 8 blocks of 4, budget 16: "top" and "low" hold 4 blocks each (their tokens up to the
+    # 16th fit in them), none is free. "high"
+    # preempts "low" for its 2 blocks; 2 blocks and 8 tokens of budget are left, enough for a
+    # first chunk of "low", back at the queue's front. Taking it in would spend the room just
+    # made on the request preempted to make it.
+    s = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=16, watermark=0.0, preemption_mode="recompute",
+                       enable_prefix_caching=False)
+    runner = PagedFakeRunner(s.block_size)
+    top = make_request("top", 14, max_tokens=3, priority=0)
+    low = make_request("low", 14, max_tokens=3, priority=9)
+    s.add_request(top)
+    s.add_request(low)
+    while top.num_output_tokens == 0 or low.num_output_tokens == 0:
+        step(s, runner)
+    high = make_request("high", 7, max_tokens=1, priority=0)
+    s.add_request(high)
+    out = step(s, runner)
+    assert out.preempted_req_ids == {"low"}
+    assert "low" not in out.num_scheduled_tokens and out.num_scheduled_tokens["high"] == 7
+    run_until_done(s, runner)
+    for r in (top, low, high):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)

@@ -378,6 +378,8 @@ class Scheduler:
     def _try_admit(self, request: Request, step: _StepState, now: float) -> bool:
         """Admit a waiting request and schedule its first chunk; False, with nothing changed,
         if it cannot run now."""
+        if request.request_id in step.preempted:
+            return False  # preempted in this step: re-admitting it would undo the room just made
         computed, num_hit = self.kv_cache_manager.get_computed_blocks(request)
         num_new = request.num_tokens - num_hit
         if not self.config.enable_chunked_prefill and num_new > step.budget:
@@ -433,6 +435,10 @@ class Scheduler:
                 return None  # only the reserve is short
         if not self._policy_preempts:
             return None
+        # Victims must make room for the whole prompt, not only its first chunk: otherwise the
+        # next chunks find the blocks taken (by a victim re-admitted, or by running growth) and
+        # the request preempts again, or preempts itself, for nothing.
+        num_whole = request.num_tokens - num_hit
         victims: list[Request] = []
         candidates = list(self.running)
         while candidates:
@@ -443,7 +449,7 @@ class Scheduler:
             candidates.remove(victim)
             victims.append(victim)
             if (len(self.running) - len(victims) < slots
-                    and kv.can_allocate(request, num_new, computed, num_hit, freeing=victims)):
+                    and kv.can_allocate(request, num_whole, computed, num_hit, freeing=victims)):
                 return victims
         return None
 
