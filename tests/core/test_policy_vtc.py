@@ -63,13 +63,36 @@ def test_the_smallest_counter_goes_first_and_a_newly_backlogged_tenant_is_lifted
     counters.remove_waiting("b")
     counters.add_waiting("b")
     assert counters.counter("b") == 12.0
-    # With nobody backlogged, a newcomer is lifted to the counter of the tenant last chosen.
+    # With nobody backlogged, a newcomer is lifted to the counter of the tenant last chosen, as
+    # it is now: the service "a" got after it was chosen counts (not banked as d's credit).
     counters.note_chosen("a")
     for t in ("a", "b", "c"):
         counters.remove_waiting(t)
+    counters.charge([_served(_req("a9", "a"), 0, 8, outputs=1)])  # a: 10 + 10 = 20, while running
     counters.add_waiting("d")
-    assert counters.counter("d") == 10.0
-    assert counters.snapshot() == {"d": 10.0}
+    assert counters.counter("d") == 20.0
+    assert counters.snapshot() == {"d": 20.0}
+
+
+def test_idle_tenants_counters_are_pruned_at_the_floor_and_never_gain_by_it():
+    from tokenweir.core.policies.fair_share import PRUNE_SLACK
+    counters = VirtualTokenCounters(VTCConfig())
+    counters.add_waiting("main")
+    counters.charge([_served(_req("m", "main", prompt_len=100), 0, 100)])  # main: 100
+    # Clients inventing tenant names: each waits once, is admitted, leaves the backlog.
+    for i in range(3 * PRUNE_SLACK):
+        counters.add_waiting(f"t{i}")  # lifted to the floor (main's 100)
+        counters.remove_waiting(f"t{i}")
+    assert len(counters.counters) <= 2 * 1 + PRUNE_SLACK + 1
+    assert counters.counter("main") == 100.0  # backlogged: never pruned
+    # A pruned tenant still running is charged from the floor, not from zero.
+    gone = next(f"t{i}" for i in range(3 * PRUNE_SLACK) if f"t{i}" not in counters.counters)
+    counters.charge([_served(_req("g", gone, prompt_len=5), 0, 5)])
+    assert counters.counter(gone) == 105.0
+    # One that comes back is lifted to the floor as if never pruned.
+    other = next(f"t{i}" for i in range(3 * PRUNE_SLACK) if f"t{i}" not in counters.counters)
+    counters.add_waiting(other)
+    assert counters.counter(other) == 100.0
 
 
 def _two_tenants(policy, steps: int = 400):

@@ -28,6 +28,10 @@ from typing import Optional
 from tokenweir.checks import is_finite_number
 from tokenweir.core.policies.base import PolicyConfig, ServedRequest, served_rows
 
+# Idle tenants (not backlogged) whose counters are kept before any is pruned: a deployment with
+# fewer never loses one; a client inventing tenant names cannot grow the counters past it.
+PRUNE_SLACK = 1024
+
 Tenant = Optional[str]  # None: requests that name no tenant share one counter
 
 
@@ -101,13 +105,26 @@ class VirtualTokenCounters:
         self._backlog: dict[Tenant, int] = {}  # tenant -> number of its waiting requests
         self._heap: list[tuple[float, int, Tenant]] = []
         self._seq = itertools.count()
-        self._last_chosen = 0.0  # the counter of the tenant most recently chosen
+        # The tenant most recently chosen: with nobody backlogged, a newcomer is lifted to its
+        # counter as it is then (the service it got since it was chosen included).
+        self._last_chosen: Optional[Tenant] = None
+        self._last_chosen_counter = 0.0  # its counter, kept should its entry be pruned
 
     def weight(self, tenant: Tenant) -> float:
         return self.config.tenant_weights.get(tenant, 1.0) if tenant is not None else 1.0
 
     def counter(self, tenant: Tenant) -> float:
         return self.counters.get(tenant, 0.0)
+
+    def floor(self) -> float:
+        """What a newly backlogged tenant is lifted to: the smallest backlogged counter, or with
+        nobody backlogged the counter of the tenant chosen last."""
+        low = self.min_backlogged_counter()
+        if low is not None:
+            return low
+        if self._last_chosen in self.counters:
+            self._last_chosen_counter = self.counters[self._last_chosen]
+        return self._last_chosen_counter
 
     def is_backlogged(self, tenant: Tenant) -> bool:
         return tenant in self._backlog
@@ -120,9 +137,7 @@ class VirtualTokenCounters:
         """A request of `tenant` starts waiting; the lift rule applies if it was not backlogged."""
         count = self._backlog.get(tenant, 0)
         if count == 0:
-            floor = self.min_backlogged_counter()
-            floor = self._last_chosen if floor is None else floor
-            self.counters[tenant] = max(self.counter(tenant), floor)
+            self.counters[tenant] = max(self.counter(tenant), self.floor())
             self._push(tenant)
         self._backlog[tenant] = count + 1
 
@@ -130,8 +145,21 @@ class VirtualTokenCounters:
         count = self._backlog[tenant] - 1
         if count:
             self._backlog[tenant] = count
-        else:
-            del self._backlog[tenant]
+            return
+        del self._backlog[tenant]
+        if len(self.counters) > 2 * len(self._backlog) + PRUNE_SLACK:
+            self._prune()
+
+    def _prune(self) -> None:
+        """Forget the counters of tenants not backlogged that sit at or below the floor (one
+        per tenant name ever seen would grow without bound, and names come from clients): one
+        that comes back is lifted to the floor anyway. A pruned tenant still running is charged
+        from the floor on (see `charge`), at least its true counter: pruning never gives a
+        tenant more than its share, and below PRUNE_SLACK idle tenants it never happens."""
+        floor = self.floor()
+        if self._last_chosen is not None:
+            self._last_chosen_counter = self.counter(self._last_chosen)
+        self.counters = {t: c for t, c in self.counters.items() if t in self._backlog or c > floor}
 
     def charge(self, served: Sequence[ServedRequest]) -> None:
         cfg = self.config
@@ -147,8 +175,11 @@ class VirtualTokenCounters:
             if tokens:
                 tenant = request.hints.tenant
                 growth[tenant] = growth.get(tenant, 0.0) + tokens
+        counters = self.counters
         for tenant, tokens in growth.items():
-            self.counters[tenant] = self.counter(tenant) + tokens / self.weight(tenant)
+            # A tenant missing here was pruned at or below the floor: charged from the floor.
+            start = counters[tenant] if tenant in counters else self.floor()
+            counters[tenant] = start + tokens / self.weight(tenant)
             if tenant in self._backlog:
                 self._push(tenant)
 
@@ -171,7 +202,7 @@ class VirtualTokenCounters:
         return self.counter(self.min_backlogged())
 
     def note_chosen(self, tenant: Tenant) -> None:
-        self._last_chosen = self.counter(tenant)
+        self._last_chosen = tenant
 
     def _push(self, tenant: Tenant) -> None:
         heapq.heappush(self._heap, (self.counter(tenant), next(self._seq), tenant))
