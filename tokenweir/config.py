@@ -424,6 +424,14 @@ class EngineArgs:
             if given:
                 raise ValueError(f"{', '.join(given)} only apply to scheduling_policy 'sla', "
                                  f"not {self.scheduling_policy!r}")
+        vtc_given = [arg for arg in ("vtc_input_weight", "vtc_output_weight", "vtc_tenant_weights")
+                     if getattr(self, arg) != getattr(EngineArgs, arg)]
+        if vtc_given and not (self.scheduling_policy == "vtc"
+                              or (self.scheduling_policy == "sla" and self.sla_tenant_fairness)):
+            raise ValueError(f"{', '.join(vtc_given)} {'applies' if len(vtc_given) == 1 else 'apply'} only to "
+                             "scheduling_policy 'vtc', or 'sla' with "
+                             f"sla_tenant_fairness, not {self.scheduling_policy!r}"
+                             + (" without it" if self.scheduling_policy == "sla" else ""))
         if self.scheduling_policy not in ("sla", "vtc"):
             return None
         vtc = VTCConfig(input_weight=self.vtc_input_weight, output_weight=self.vtc_output_weight,

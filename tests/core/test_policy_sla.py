@@ -344,7 +344,7 @@ def test_engine_args_carry_every_knob_into_the_policy_config():
     ({"sla_max_preemptions": -1}, "sla max_preemptions must be an integer >= 0"),
     ({"sla_aging_rate": math.inf}, "sla aging_rate must be a finite number"),
     ({"num_priority_classes": 0}, "sla num_priority_classes must be an integer >= 1"),
-    ({"vtc_tenant_weights": "a=0"}, "the weight of 'a' must be a number > 0"),
+    ({"vtc_tenant_weights": "a=0", "sla_tenant_fairness": True}, "the weight of 'a' must be a number > 0"),
 ])
 def test_bad_knobs_are_refused_when_the_engine_args_are_made(knobs, message):
     with pytest.raises(ValueError, match=message):

@@ -217,3 +217,19 @@ def test_swapped_requests_come_back_when_the_tenant_furthest_behind_has_none_swa
     for r in requests:
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, 20)
     assert_no_leaks(s)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(scheduling_policy="fcfs", vtc_output_weight=5.0),
+     r"vtc_output_weight applies only to scheduling_policy 'vtc', or 'sla' with sla_tenant_fairness, not 'fcfs'$"),
+    (dict(scheduling_policy="sla", vtc_tenant_weights="a=2", vtc_input_weight=2.0),
+     r"vtc_input_weight, vtc_tenant_weights apply only to .* not 'sla' without it$"),
+    (dict(scheduling_policy="vtc", vtc_tenant_weights="a=2,a=3"), r"tenant 'a' is given twice"),
+    (dict(scheduling_policy="sla", sla_load_threshold=5.0), r"sla load_threshold must be in \[0, 1\]"),
+])
+def test_vtc_and_load_knobs_that_would_do_nothing_are_refused(kwargs, message):
+    from tokenweir.config import EngineArgs
+
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs).create_engine_configs(2048, 64)
+    EngineArgs(scheduling_policy="sla", sla_tenant_fairness=True, vtc_tenant_weights="a=2").create_engine_configs(2048, 64)

@@ -60,6 +60,8 @@ def parse_tenant_weights(text: Optional[str]) -> dict[str, float]:
                 raise ValueError(f"vtc_tenant_weights: weight of {name.strip()!r} is not a number: {value!r}") from None
     weights = {}
     for name, weight in items:
+        if str(name) in weights:
+            raise ValueError(f"vtc_tenant_weights: tenant {name!r} is given twice")
         if not is_finite_number(weight) or weight <= 0:
             raise ValueError(f"vtc_tenant_weights: the weight of {name!r} must be a number > 0, got {weight!r}")
         weights[str(name)] = float(weight)

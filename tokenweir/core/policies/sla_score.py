@@ -102,6 +102,10 @@ class SLAConfig(PolicyConfig):
                      "fairness_factor", "aging_rate", "preempt_margin", "load_threshold"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sla {name} must be >= 0, got {getattr(self, name)!r}")
+        if self.load_threshold > 1:
+            # load is a share (at most 1): a threshold above it turns urgency off for good
+            raise ValueError(f"sla load_threshold must be in [0, 1] (load is a share of the unfinished "
+                             f"requests), got {self.load_threshold!r}")
         for name in ("time_window", "resource_scale", "fairness_window", "max_wait"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sla {name} must be > 0, got {getattr(self, name)!r}")
