@@ -266,6 +266,25 @@ def test_a_request_preempted_k_times_is_protected_so_no_pair_takes_turns(k):
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, 8)
 
 
+def test_three_of_a_kind_in_one_slot_form_no_preemption_cycle(make_scheduler):
+    """Default knobs, one slot, three requests of one kind arriving 50 ms apart: a request
+    nearing its TTFT preempts the one decoding, but one preempted before does not win its place
+    back from its own kind (that was a cycle r1>r0, r2>r1, r0>r2, ended only by max_preemptions)."""
+    s = make_scheduler(policy=SLAPolicy(), max_num_batched_tokens=16, max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    reqs = [_req(f"r{i}", 6, 30, arrival=0.05 * i, ttft_slo=0.5, tpot_slo=2.0) for i in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    t = 0.0
+    while s.has_unfinished_requests():
+        step(s, runner, now=t)
+        t = round(t + 0.1, 3)
+    assert 0 < s.num_preemptions <= 2  # each one a first token served by it
+    assert max(r.num_preemptions for r in reqs) == 1
+    for r in reqs:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, 30)
+
+
 def test_an_interactive_request_preempts_a_batch_one_but_not_one_of_its_own_kind(make_scheduler):
     s = make_scheduler(policy=SLAPolicy(), max_num_batched_tokens=16, max_num_seqs=2, num_blocks=64)
     runner = PagedFakeRunner(s.block_size)

@@ -315,6 +315,12 @@ class SLAPolicy(SchedulingPolicy):
             return victim.arrival_time > waiting.arrival_time
         if self._is_aged(victim, now):
             return False
+        # A request preempted before does not win its place back from its own class: each such
+        # win is another request's lost work, and three of a kind in turn would form a cycle
+        # that only max_preemptions ends (a less important victim it may still displace).
+        if waiting.num_preemptions and priority_class(waiting.priority, self.config.num_priority_classes) \
+                == priority_class(victim.priority, self.config.num_priority_classes):
+            return False
         return self.score(waiting, now) > self._running_score(victim, now) + self.config.preempt_margin
 
     # ------------------------------------------------------------ feedback and shedding
