@@ -9,11 +9,14 @@ TPOT target (p99) by request throughput, and slo. For the step: how long slo tak
 p99 ITL/TPOT over time. Every number is SIMULATED.
 
     python benchmarks/batching_slo.py --target-tpot-ms 250
-    python benchmarks/batching_slo.py --real --rate-scales 0.3 --num-prompts 40   # the real engine
+    python benchmarks/batching_slo.py --real --rate-scales 1.5 --num-prompts 100 --repeats 2 \\
+        --statics 256/32,128/64,2048/128   # the real engine
 
 `--real` confirms on `tokenweir serve` (default model) loaded by `tokenweir bench serve` with the
-same trace rows: slo against the best static configuration the simulation found at that rate
-(read from the JSON of a simulated run), and records the slo gauges and log lines it printed.
+same trace rows: slo against the static pairs given by `--statics` (default: the best static
+configuration of the simulated sweep at that rate, read from the JSON of a simulated run), in
+interleaved rounds, with the simulator's numbers for the same workload beside them, and records
+the slo gauges and log lines it printed.
 """
 
 from __future__ import annotations
@@ -182,35 +185,58 @@ def serve_and_bench(engine_flags: list[str], workload: list[str], work: Path, na
     return out
 
 
+def parse_statics(text: str) -> list[tuple[int, int]]:
+    """"1024/32,128/64" -> [(1024, 32), (128, 64)] (max_num_batched_tokens / max_num_seqs)."""
+    pairs = []
+    for item in filter(None, text.split(",")):
+        budget, _, cap = item.partition("/")
+        pairs.append((int(budget), int(cap)))
+    return pairs
+
+
 def confirm_real(ns: argparse.Namespace) -> None:
     sim = json.loads(ns.output.read_text())
+    cost = load_cost_model(ns.profile)
     work = Path(tempfile.mkdtemp(prefix="batching-slo-"))
     # Runs of other rates (an earlier command) are kept: each entry says how it was made.
     real: dict[str, Any] = sim.get("real", {"rates": []})
+    slo_flags = ["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}"]
     for scale in map(float, ns.rate_scales.split(",")):
-        # The best static of the simulation at this rate, else at its highest rate.
-        simulated = [r for r in sim["rates"] if r["rate_scale"] == scale] or sim["rates"][-1:]
-        best = simulated[0]["best_static"]
+        if ns.statics:
+            statics, source = parse_statics(ns.statics), "--statics"
+        else:  # the best static of the simulated sweep at this rate, else at its highest rate
+            simulated = [r for r in sim["rates"] if r["rate_scale"] == scale] or sim["rates"][-1:]
+            best = simulated[0]["best_static"]
+            statics = [(best["max_num_batched_tokens"], best["max_num_seqs"])]
+            source = f"best static of the simulated sweep at x{simulated[0]['rate_scale']:g}"
+        configs: dict[str, tuple[list[str], EngineArgs]] = {
+            "slo": (slo_flags, EngineArgs(batch_controller="slo", target_tpot_ms=ns.target_tpot_ms))}
+        for b, s in statics:
+            configs[f"{b}/{s}"] = (["--max-num-batched-tokens", str(b), "--max-num-seqs", str(s)],
+                                   EngineArgs(max_num_batched_tokens=b, max_num_seqs=s))
         workload = ["--dataset-name", "trace", "--trace-path", str(TRACE), "--num-prompts", str(ns.num_prompts),
                     "--rate-scale", f"{scale:g}", "--max-input-len", str(ns.max_input_len),
                     "--max-output-len", str(ns.max_output_len), "--percentile-metrics", "ttft,tpot,itl",
                     "--metric-percentiles", "50,99"]
-        static = ["--max-num-batched-tokens", str(best["max_num_batched_tokens"]),
-                  "--max-num-seqs", str(best["max_num_seqs"])]
+        # The simulator's numbers for this very workload, beside the measured ones.
+        rows = read_trace(TRACE, ns.num_prompts, scale, ns.max_input_len, ns.max_output_len)
+        reqs = requests(rows, [r.arrival_s for r in rows])
         entry = {"rate_scale": scale, "num_prompts": ns.num_prompts,
                  "command": " ".join(["python", "benchmarks/batching_slo.py", *sys.argv[1:]]),
-                 "static_from_simulated_rate_scale": simulated[0]["rate_scale"], "pairs": []}
-        # Interleaved pairs: on a shared machine a difference counts only if it holds in each.
-        for i in range(ns.repeats):
-            entry["pairs"].append({
-                "slo": serve_and_bench(["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}"],
-                                       workload, work, f"slo-{scale:g}-{i}"),
-                "static": serve_and_bench(static, workload, work, f"static-{scale:g}-{i}")})
+                 "statics_from": source, "simulated_profile": profile_label(cost, ns.profile),
+                 "simulated": {name: simulate(args, cost, reqs)[0] for name, (_, args) in configs.items()},
+                 "rounds": []}
         real["rates"] = [r for r in real["rates"]
                          if (r["rate_scale"], r["num_prompts"]) != (scale, ns.num_prompts)] + [entry]
+        # Interleaved rounds (every configuration once per round): on a shared machine a
+        # difference counts only if it holds in each round.
+        for i in range(ns.repeats):
+            entry["rounds"].append({
+                name: serve_and_bench(flags, workload, work, f"{name.replace('/', '-')}-{scale:g}-{i}")
+                for name, (flags, _) in configs.items()})
+            sim["real"] = real  # written after every round: a cut-off command keeps what it measured
+            ns.output.write_text(json.dumps(sim, indent=1) + "\n")
         print(json.dumps(entry, indent=1), file=sys.stderr)
-    sim["real"] = real
-    ns.output.write_text(json.dumps(sim, indent=1) + "\n")
 
 
 def main() -> None:
@@ -224,7 +250,10 @@ def main() -> None:
     ap.add_argument("--max-output-len", type=int, default=256)
     ap.add_argument("--output", type=Path, default=OUT / "batching_slo.json")
     ap.add_argument("--real", action="store_true", help="confirm on the real engine (see above)")
-    ap.add_argument("--repeats", type=int, default=1, help="--real: slo/static pairs per rate, interleaved")
+    ap.add_argument("--repeats", type=int, default=1, help="--real: rounds per rate (slo, then each static)")
+    ap.add_argument("--statics", default="",
+                    help="--real: static pairs to run against slo, e.g. 1024/32,2048/64 (default: the "
+                         "simulated sweep's best static at that rate)")
     ns = ap.parse_args()
     if ns.real:
         confirm_real(ns)

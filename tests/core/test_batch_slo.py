@@ -322,3 +322,35 @@ def test_a_default_minimum_budget_yields_to_a_smaller_maximum():
     with pytest.raises(ValueError, match=r"min_num_batched_tokens \(40\) must be <= max_num_batched_tokens \(32\)"):
         EngineArgs(batch_controller="slo", target_tpot_ms=50, max_num_batched_tokens=32,
                    min_num_batched_tokens=40).create_engine_configs(8192, 1)
+
+
+def test_the_limits_come_back_within_windows_after_a_tail_they_could_not_remove():
+    # For 10 s every 5th step stalls 0.3 s whatever the limits (another process on the CPU,
+    # the engine loop busy with arrivals): shrinking cannot remove that tail, so the aim falls
+    # to its floor. Once the stalls stop, the limits must be back within some windows (3 s
+    # here), not the two dozen that a growth of 10% per window needs from the floor.
+    c = _controller()
+    now, i = 0.0, 0
+
+    def step(stall: bool) -> StepLimits:
+        nonlocal now, i
+        limits = c.get_limits(now)
+        rows = limits.max_num_seqs
+        comp = StepComposition(num_decode_seqs=rows, decode_context_tokens=rows * 200, num_sampled=rows)
+        now += MODEL.predict(comp) + (0.3 if stall and i % 5 == 0 else 0.0)
+        i += 1
+        c.on_step(_observe(now, rows, 200))
+        return limits
+
+    while now < 30.0:
+        before = step(False)
+    assert before.max_num_seqs >= 15  # the model's ~17 rows
+    stalls_end = now + 10.0
+    while now < stalls_end:
+        step(True)
+    assert c.bias <= 0.2  # the fall is real
+    recovered = None
+    while recovered is None and now < stalls_end + 60.0:
+        if step(False).max_num_seqs >= 0.9 * before.max_num_seqs:
+            recovered = now - stalls_end
+    assert recovered is not None and recovered <= 8 * 3.0

@@ -11,8 +11,9 @@ step is as long as the target allows (the per-step cost is paid once for more ro
 - correct: a running ratio of measured to predicted step periods scales every prediction (the
   profile may be of another machine, or the machine busier); the windowed p99 of measured ITL
   scales the target the prediction aims at (tails the mean-fitted model does not see): down at
-  once in proportion to a violation, up by at most `GROWTH` per window, and only while a
-  limit actually held something back;
+  once in proportion to a violation, up by at most `GROWTH` per window (by `MAX_GROWTH` far
+  under the band while climbing back to the model's own aim), and only while a limit actually
+  held something back;
 - hysteresis: no feedback inside the band [target x (1 - hysteresis), target x (1 - hysteresis
   / 4)] (its top stays below the target, so noise at the top does not cross it); a limit moves
   only by more than `hysteresis` of itself unless the target is violated; and after the
@@ -45,10 +46,19 @@ from tokenweir.core.cost_model import StepComposition, StepCostModel, load_cost_
 # Weight of one step in the measured/predicted ratio: about ten steps of memory, so one noisy
 # step moves the predictions by a tenth of its error.
 CORRECTION_GAIN = 0.1
-# The p99 feedback may grow the aimed-at period by this share per window (and the sequence
-# cap grow by it over the running count per interval): growth is slow, as an overshoot costs
-# a violation; shrinking is immediate.
+# The sequence cap may grow by this share over the running count per interval (a cap far
+# above the requests that ran would let a load step fill the batch at once), and the aimed-at
+# period by this share per window near the band (below).
 GROWTH = 0.1
+# The p99 feedback grows the aimed-at period by at most GROWTH per window (an overshoot costs
+# a violation: shrinking is immediate), except back up to the model's own aim (bias 1, where
+# the corrected model predicts steps of the target): there it doubles per window while the p99
+# is under about half the target. A tail the limits cannot remove (another process on the
+# CPU, the engine loop busy with a burst of arrivals) halves the aim every interval it lasts,
+# down to its floor; 10% a window would then take some 24 windows (minutes, at the minimum
+# budget while requests wait) to climb back. Past bias 1 only the p99 vouches for more, and
+# light load (a few rows, a low p99) would let a doubling aim make room for a whole prompt.
+MAX_GROWTH = 2.0
 BIAS_RANGE = (0.1, 4.0)
 # Steps measured since a shrink before the p99 over them may shrink again (a p99 of a handful
 # of steps is their maximum: one noisy step would decide).
@@ -241,7 +251,11 @@ class SLOBatchController(BatchController):
             self._moved_at = now
         elif (p99 is not None and p99 < self.target * (1 - h) and self._held_back
               and now - self._moved_at >= self.config.window):
-            self.bias = min(BIAS_RANGE[1], self.bias * min(1 + GROWTH, self.target * (1 - h / 2) / p99))
+            room = self.target * (1 - h / 2) / p99
+            if self.bias < 1 and room >= MAX_GROWTH:  # climbing back to the model's own aim
+                self.bias = min(1.0, self.bias * MAX_GROWTH)
+            else:
+                self.bias = min(BIAS_RANGE[1], self.bias * min(1 + GROWTH, room))
             self._moved_at = now
         if self.target_ttft is not None:
             self.p99_ttft = weighted_quantile(((t, 1) for _, t in self._ttft), PERCENTILE)
