@@ -26,10 +26,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                            "body's `tenant` names the request's tenant (not with --api-keys-file)")
     keys.add_argument("--api-keys-file", type=Path, default=None,
                       help="JSON {key: tenant}: each key is accepted and fixes the request's tenant "
-                           "(overriding the body's `tenant`) for per-tenant fair share and metrics; "
-                           "these tenants always get a metric label of their own (tenants named in "
-                           "bodies: the first 32, later ones share 'other'). Not with --api-key: put "
-                           "a shared key in the file under a tenant of its own")
+                           "(overriding the body's `tenant`) for per-tenant fair share and metrics, "
+                           "with a metric label of its own (without a keys file the body names the "
+                           "tenant, and only the first 32 named get one: later ones share 'other'). "
+                           "Not with --api-key: put a shared key in the file under a tenant of its own")
     parser.add_argument("--metrics-require-api-key", action=argparse.BooleanOptionalAction, default=True,
                         help="with --api-key or --api-keys-file, /metrics needs a key too (default on: its "
                              "prefix-cache counters tell whether another user's prefix is cached; vLLM "
