@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterable, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
@@ -30,8 +30,9 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
                            50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 FINISH_REASONS = ("stop", "length", "abort")
-# Tenants get a label each up to this many (first come); later ones share "other", so a client
-# that invents tenant names cannot grow the scrape without bound.
+# Tenants the operator named (the keys file's) always get a label each; others, named by
+# clients in the body, get one each up to this many, first come, and later ones share "other",
+# so a client that invents tenant names cannot grow the scrape without bound.
 MAX_TENANT_LABELS = 32
 NO_TENANT, OTHER_TENANTS = "none", "other"
 
@@ -59,16 +60,22 @@ def iteration_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
 
 
 class TenantLabels:
-    """A bounded set of tenant label values."""
+    """A bounded set of tenant label values: the reserved tenants, then up to `limit` others."""
 
     def __init__(self, limit: int = MAX_TENANT_LABELS) -> None:
         self.limit = limit
-        self._known: set[str] = set()
+        self._reserved: set[str] = set()
+        self._known: set[str] = set()  # first come, at most `limit`
+
+    def reserve(self, tenants: Iterable[str]) -> None:
+        """Give each of `tenants` a label of its own whenever it comes, beyond the bound (the
+        operator names them, so they are few). "none" and "other" keep their meaning."""
+        self._reserved.update(t for t in tenants if t not in (NO_TENANT, OTHER_TENANTS))
 
     def __call__(self, tenant: Optional[str]) -> str:
         if tenant is None:
             return NO_TENANT
-        if tenant in self._known:
+        if tenant in self._reserved or tenant in self._known:
             return tenant
         if len(self._known) < self.limit and tenant not in (NO_TENANT, OTHER_TENANTS):
             self._known.add(tenant)

@@ -279,10 +279,42 @@ def test_a_failed_step_leaves_nothing_behind(make_llm, tiny_model_dir, monkeypat
     assert got == expected
 
 
+def test_scheduling_hints_reach_the_sla_policy(make_llm, tiny_model_dir, monkeypatch):
+    """`LLM` users of scheduling_policy="sla" set what the server's clients set: priority,
+    tenant, deadline and the TTFT / TPOT SLOs, one value for all prompts or one per prompt."""
+    from tokenweir.core.policies.sla_queue import SLAQueue
+
+    seen = {}
+    add = SLAQueue.add
+
+    def record(queue, request):
+        seen.setdefault(request.request_id, (request.priority, request.tenant, request.hints.deadline,
+                                             request.ttft_slo, request.tpot_slo))
+        add(queue, request)
+
+    monkeypatch.setattr(SLAQueue, "add", record)
+    llm = make_llm(tiny_model_dir("llama"), scheduling_policy="sla", sla_tenant_fairness=True, **KV)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    outs = llm.generate(["one", "two", "three"], params, priority=[0, 1, 2], tenant=["a", "b", None],
+                        deadline=[None, 30.0, None], ttft_slo=5.0, tpot_slo=[0.5, None, 1.0], use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 2, 2]
+    chat = llm.chat([{"role": "user", "content": "hello"}], params, tenant="c", ttft_slo=2.0, use_tqdm=False)
+    assert [seen[o.request_id] for o in outs + chat] == [
+        (0, "a", None, 5.0, 0.5), (1, "b", 30.0, 5.0, None), (2, None, None, 5.0, 1.0), (0, "c", None, 2.0, None)]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(priority=[0, "x"]), r"priority must be an integer in \[-2147483648, 2147483647\], got 'x'"),
     (dict(priority=[0, None]), r"priority must be an integer in \[.*\], got None"),
     (dict(priority=[0, 2**31]), r"priority must be an integer in \[.*\], got 2147483648"),
+    (dict(priority=[0, 1, 2]), r"^got 3 priority values for 2 prompts$"),
+    (dict(tenant=""), r"^prompt 0: tenant must be a non-empty string of at most 256 characters or None, got ''$"),
+    (dict(tenant=["a", 3]), r"^prompt 1: tenant must be a non-empty string of at most 256 characters"),
+    (dict(tenant=["a"]), r"^got 1 tenant values for 2 prompts$"),
+    (dict(deadline=[1.0, -1.0]), r"^prompt 1: deadline must be a finite number of seconds > 0 or None, got -1.0$"),
+    (dict(ttft_slo=float("inf")), r"^prompt 0: ttft_slo must be a finite number of seconds > 0 or None, got inf$"),
+    (dict(tpot_slo={"one": 0.1}), r"^tpot_slo must be one value for every prompt or a list with one per prompt, "
+                                  r"got dict$"),
     (dict(sampling_params=SamplingParams(stop_token_ids=[5000])),
      r"stop_token_ids must be token ids below the vocabulary size \(256\)"),
 ])

@@ -1,5 +1,6 @@
-"""Tenant identity (body `tenant`, or the API key's tenant from a keys file, which wins), the
-per-class/tenant metrics, and overload shedding answered as a readable 504."""
+"""Tenant identity (body `tenant`, or the API key's tenant from a keys file, which wins; a plain
+key beside a keys file is refused), the per-class/tenant metrics and their label bound, and
+overload shedding answered as a readable 504."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import pytest
 
 from tests.server.conftest import ServerThread, assert_engine_clean, make_engine
 from tests.server.helpers import MODEL, post, scrape, value
+from tokenweir.cli import build_parser
+from tokenweir.metrics import MAX_TENANT_LABELS, TenantLabels
 from tokenweir.server.app import build_app
 from tokenweir.server.auth import load_api_keys
 
@@ -59,10 +62,51 @@ def test_slo_attainment_is_counted_per_class(make_server):
     assert (d("tokenweir:slo_tpot_total", "met"), d("tokenweir:slo_tpot_total", "missed")) == (0, 1)
 
 
+def test_a_plain_api_key_beside_a_keys_file_is_refused(engine, tmp_path, capsys):
+    # Its holders would name no tenant by the key, so the body's `tenant` would claim any
+    # tenant's share ("alpha" here).
+    with pytest.raises(ValueError, match=r"api_key \(--api-key\) and api_keys \(--api-keys-file\) are "
+                                         r"exclusive: .* put the shared key in the file"):
+        build_app(engine, api_key="shared", api_keys={"key-a": "alpha"})
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"key-a": "alpha"}))
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--api-key", "shared", "--api-keys-file", str(path)])
+    assert "argument --api-keys-file: not allowed with argument --api-key" in capsys.readouterr().err
+
+
+def test_the_keys_files_tenants_get_their_own_label_after_squatters_took_the_free_ones(make_server, tmp_path):
+    """Clients that name tenants first (no keys file) take the first-come labels; a keys file's
+    tenant still gets its own."""
+    url = make_server()
+    for i in range(MAX_TENANT_LABELS + 2):
+        assert post(url, "/v1/completions", {**BODY, "max_tokens": 1, "tenant": f"squat{i}"}).status_code == 200
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"key-g": "gamma"}))
+    url = make_server(api_keys=load_api_keys(path), metrics_require_api_key=False)
+    before = scrape(url)
+    assert post(url, "/v1/completions", BODY, headers={"Authorization": "Bearer key-g"}).status_code == 200
+    after = scrape(url)
+    assert _generated(after, "gamma") - _generated(before, "gamma") == 3
+    assert _generated(after, "other") - _generated(before, "other") == 0
+
+
+def test_tenant_labels_reserved_ones_then_the_first_come_up_to_the_bound():
+    labels = TenantLabels(limit=2)
+    labels.reserve(["r1", "r2", "r3", "other", "none"])
+    assert [labels(t) for t in ("a", "r1", "b", "c", "r3", None, "none", "other")] == [
+        "a", "r1", "b", "other", "r3", "none", "other", "other"]
+
+
 @pytest.mark.parametrize("contents, message", [
     ("[]", "must hold a non-empty JSON object"),
-    ('{"k": ""}', "every key needs a non-empty tenant name"),
+    ('{"k": ""}', "every key needs a non-empty tenant name, got '' for key #1"),
     ("{", "cannot be read as JSON"),
+    ('{"": "alpha"}', "key #1 is empty"),
+    # Accepted once, then every request with the key got a 400 about a `tenant` it never sent.
+    (json.dumps({"k": "alpha", "k2": "t" * 257}), "the tenant of key #2 has 257 characters, more than 256"),
+    ('{"k": "other"}', "the tenant of key #1 is 'other', the tenant metric label of the tenants past the label"),
+    ('{"k": "none"}', "the tenant of key #1 is 'none', the tenant metric label of requests without a tenant"),
 ])
 def test_a_bad_keys_file_is_refused(tmp_path, contents, message):
     path = tmp_path / "keys.json"

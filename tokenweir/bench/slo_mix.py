@@ -2,7 +2,9 @@
 report (SLO attainment, goodput, tokens served) of `bench serve` and `tokenweir simulate`.
 
 A class is `NAME:FRACTION[:key=value...]` with keys `priority`, `ttft` and `tpot` (SLOs, ms),
-`deadline` (ms) and `tenant`, e.g.
+`deadline` (ms) and `tenant`, each at most once and in the ranges a request accepts (checked
+here, before the run: a finite fraction > 0; priority in [-2^31, 2^31 - 1]; times finite > 0;
+tenant 1-256 characters), e.g.
 
     --slo-mix interactive:0.3:priority=0:ttft=1000:tpot=150 batch:0.7:priority=1:ttft=60000:tpot=2000
 
@@ -13,6 +15,7 @@ arrivals) is the same with and without a mix. The SLOs travel with the request (
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -20,7 +23,7 @@ from typing import Optional
 import numpy as np
 
 from tokenweir.bench.serve_metrics import RequestRecord
-from tokenweir.request import SchedulingHints
+from tokenweir.request import MAX_KEY_CHARS, PRIORITY_MAX, PRIORITY_MIN, SchedulingHints
 
 _KEYS = ("priority", "ttft", "tpot", "deadline", "tenant")
 # The class draw's generator is seeded apart from the workload's (seed + this).
@@ -51,6 +54,36 @@ class SLOClass:
                                tpot_slo=s(self.tpot_ms), deadline=s(self.deadline_ms))
 
 
+def _option(name: str, key: str, text: str) -> object:
+    """One option's value, checked as the request will check it (so that a bad mix stops before
+    the run, naming the class and the field, rather than failing every request of the class)."""
+    def bad(rule: str) -> ValueError:
+        return ValueError(f"--slo-mix {name}: {key} must be {rule}, got {text!r:.80}")
+
+    if key == "tenant":
+        if not 0 < len(text) <= MAX_KEY_CHARS:
+            raise bad(f"a non-empty name of at most {MAX_KEY_CHARS} characters")
+        return text
+    if key == "priority":
+        rule = f"an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}]"
+        try:
+            priority = int(text)
+        except ValueError:
+            raise bad(rule) from None
+        if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            raise bad(rule)
+        return priority
+    rule = "a finite number of milliseconds > 0"
+    try:
+        ms = float(text)
+    except ValueError:
+        raise bad(rule) from None
+    # In seconds (what the request carries) it must stay > 0 too: 1e-323 ms would not.
+    if not (math.isfinite(ms) and ms / 1000.0 > 0):
+        raise bad(rule)
+    return ms
+
+
 def parse_slo_mix(items: Optional[Sequence[str]]) -> list[SLOClass]:
     classes = []
     for item in items or []:
@@ -62,25 +95,24 @@ def parse_slo_mix(items: Optional[Sequence[str]]) -> list[SLOClass]:
             fraction = float(fraction_text)
         except ValueError:
             raise ValueError(f"--slo-mix {name}: the fraction {fraction_text!r} is not a number") from None
-        if not fraction > 0:
-            raise ValueError(f"--slo-mix {name}: the fraction must be > 0, got {fraction}")
+        if not (math.isfinite(fraction) and fraction > 0):
+            raise ValueError(f"--slo-mix {name}: the fraction must be a finite number > 0, got {fraction_text!r}")
         values: dict = {}
         for option in filter(None, options.split(":")):
             key, sep, value = option.partition("=")
             if not sep or key not in _KEYS:
                 raise ValueError(f"--slo-mix {name}: bad option {option!r}; keys: {', '.join(_KEYS)}")
-            if key == "tenant":
-                values["tenant"] = value
-            elif key == "priority":
-                values["priority"] = int(value)
-            else:
-                values[f"{key}_ms"] = float(value)
-                if not values[f"{key}_ms"] > 0:
-                    raise ValueError(f"--slo-mix {name}: {key} must be > 0 ms, got {value}")
+            field_name = key if key in ("priority", "tenant") else f"{key}_ms"
+            if field_name in values:
+                raise ValueError(f"--slo-mix {name}: {key} is given twice")
+            values[field_name] = _option(name, key, value)
         classes.append(SLOClass(name, fraction, **values))
     names = [c.name for c in classes]
     if len(set(names)) != len(names):
         raise ValueError(f"--slo-mix class names must be distinct, got {names}")
+    # The draw normalizes by the sum, which must stay finite (1e308 twice does not).
+    if not math.isfinite(sum(c.fraction for c in classes)):
+        raise ValueError(f"--slo-mix: the fractions must have a finite sum, got {[c.fraction for c in classes]}")
     return classes
 
 

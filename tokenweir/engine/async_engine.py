@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
 from prometheus_client import CollectorRegistry
 
@@ -242,6 +242,9 @@ class AsyncLLMEngine:
     @property
     def metrics_registry(self) -> CollectorRegistry:
         return self.metrics.registry
+
+    def reserve_tenant_labels(self, tenants: Iterable[str]) -> None:
+        self.metrics.classes.tenant_label.reserve(tenants)
 
     def get_stats(self) -> SchedulerStats:
         """The scheduler's stats as of the engine thread's last publication."""

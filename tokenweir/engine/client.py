@@ -7,7 +7,7 @@ it too, so the server never depends on which one it serves from or reaches into 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional, Protocol, Union, runtime_checkable
+from typing import Any, AsyncIterator, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from prometheus_client import CollectorRegistry
 
@@ -66,6 +66,10 @@ class EngineClient(Protocol):
 
     @property
     def metrics_registry(self) -> CollectorRegistry: ...
+
+    def reserve_tenant_labels(self, tenants: Iterable[str]) -> None:
+        """Give each of these tenants (the operator's: a keys file's) a metric label of its own,
+        whatever other tenants clients name first."""
 
     def num_waiting_requests(self) -> int:
         """Requests accepted but not running yet (including those still on their way in)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, TypeVar, Union
 
 from tqdm.auto import tqdm
 
@@ -24,6 +24,55 @@ class _Prompt:
     text: Optional[str]  # what the output processor shows as the prompt
     prompt: Union[str, list[int]]  # what the engine tokenizes (or takes as ids)
     cache_salt: Optional[str] = None
+
+
+T = TypeVar("T")
+# A scheduling hint of `generate` / `chat`: one value for every prompt, or one per prompt.
+PerPrompt = Union[None, T, Sequence[T]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Hints:
+    """The scheduling hints as given to `generate` / `chat`, before they are spread per prompt."""
+
+    priority: PerPrompt[int]
+    tenant: PerPrompt[Optional[str]]
+    deadline: PerPrompt[Optional[float]]
+    ttft_slo: PerPrompt[Optional[float]]
+    tpot_slo: PerPrompt[Optional[float]]
+
+    def per_prompt(self, prompts: Sequence[_Prompt]) -> list[SchedulingHints]:
+        """One SchedulingHints per prompt, each built (and so validated) before anything is
+        queued; an error names the prompt and the hint."""
+        n = len(prompts)
+        columns = {name: _spread(name, getattr(self, name), n, default) for name, default in _HINT_DEFAULTS.items()}
+        hints = []
+        for i, prompt in enumerate(prompts):
+            try:
+                hints.append(SchedulingHints(**{name: column[i] for name, column in columns.items()},
+                                             cache_salt=prompt.cache_salt))
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+        return hints
+
+
+# What an unset hint means (a None inside a list is that prompt's value, checked as given).
+_HINT_DEFAULTS: dict[str, object] = {"priority": 0, "tenant": None, "deadline": None, "ttft_slo": None,
+                                     "tpot_slo": None}
+
+
+def _spread(name: str, value: object, n: int, default: object) -> list[object]:
+    """`value` for each of `n` prompts. A str is one tenant, not a sequence of them."""
+    if value is None:
+        return [default] * n
+    if isinstance(value, (str, bool, int, float)):
+        return [value] * n
+    if not isinstance(value, Sequence):
+        raise ValueError(f"{name} must be one value for every prompt or a list with one per prompt, "
+                         f"got {type(value).__name__}")
+    if len(value) != n:
+        raise ValueError(f"got {len(value)} {name} values for {n} prompts")
+    return list(value)
 
 
 class LLM:
@@ -49,26 +98,39 @@ class LLM:
 
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-                 priority: Optional[Sequence[int]] = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Run prompts (strings or {"prompt_token_ids": [...]}) to completion, in input order."""
+                 priority: PerPrompt[int] = None, use_tqdm: bool = True, *,
+                 tenant: PerPrompt[Optional[str]] = None, deadline: PerPrompt[Optional[float]] = None,
+                 ttft_slo: PerPrompt[Optional[float]] = None,
+                 tpot_slo: PerPrompt[Optional[float]] = None) -> list[RequestOutput]:
+        """Run prompts (strings or {"prompt_token_ids": [...]}) to completion, in input order.
+
+        The scheduling hints (what `scheduling_policy="sla"` / `"vtc"` schedule by, as the
+        server's `priority`, `tenant`, `deadline_ms`, `ttft_slo_ms`, `tpot_slo_ms` do) take one
+        value for every prompt or a list with one per prompt (None: not set). `priority`: an
+        integer, smaller first; `tenant`: a name; `deadline` (finish within, from arrival),
+        `ttft_slo`, `tpot_slo`: seconds."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
-        return self._run([self._prompt_of(p) for p in prompts], sampling_params, priority, use_tqdm)
+        hints = _Hints(priority, tenant, deadline, ttft_slo, tpot_slo)
+        return self._run([self._prompt_of(p) for p in prompts], sampling_params, hints, use_tqdm)
 
     def chat(self, messages: Union[Sequence[Message], Sequence[Sequence[Message]]],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
-             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, *,
+             priority: PerPrompt[int] = None, tenant: PerPrompt[Optional[str]] = None,
+             deadline: PerPrompt[Optional[float]] = None, ttft_slo: PerPrompt[Optional[float]] = None,
+             tpot_slo: PerPrompt[Optional[float]] = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"}) or a list of them, through the model's
-        chat template."""
+        chat template. The scheduling hints as in `generate`, one per conversation."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.engine.tokenizer.apply_chat_template(list(c), tokenize=False,
                                                              add_generation_prompt=add_generation_prompt)
                    for c in conversations]
         # The template already carries BOS where the model wants one.
         token_ids = [self.engine.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        return self._run([_Prompt(text, ids) for text, ids in zip(prompts, token_ids)],
-                         sampling_params, None, use_tqdm)
+        return self._run([_Prompt(text, ids) for text, ids in zip(prompts, token_ids)], sampling_params,
+                         _Hints(priority, tenant, deadline, ttft_slo, tpot_slo), use_tqdm)
 
     @staticmethod
     def _prompt_of(prompt: PromptType) -> _Prompt:
@@ -90,7 +152,7 @@ class LLM:
 
     def _run(self, prompts: list[_Prompt],
              sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]],
-             priority: Optional[Sequence[int]], use_tqdm: bool) -> list[RequestOutput]:
+             given: _Hints, use_tqdm: bool) -> list[RequestOutput]:
         n = len(prompts)
         if sampling_params is None:
             params = [SamplingParams()] * n
@@ -102,11 +164,7 @@ class LLM:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError(f"sampling_params must be SamplingParams or a list of them, got {sampling_params!r}")
-        priorities = list(priority) if priority is not None else [0] * n
-        if len(priorities) != n:
-            raise ValueError(f"got {len(priorities)} priorities for {n} prompts")
-        # Built (and so validated) before anything is queued.
-        hints = [SchedulingHints(priority=prio, cache_salt=p.cache_salt) for p, prio in zip(prompts, priorities)]
+        hints = given.per_prompt(prompts)
 
         engine = self.engine
         ids = [str(next(self._counter)) for _ in range(n)]

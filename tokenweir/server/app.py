@@ -18,7 +18,7 @@ import tokenweir
 from tokenweir.config import EngineArgs
 from tokenweir.engine.client import EngineDeadError
 from tokenweir.engine.client import EngineClient
-from tokenweir.server.auth import APIKeyMiddleware, guarded_paths, load_api_keys
+from tokenweir.server.auth import APIKeyMiddleware, check_api_key_options, guarded_paths, load_api_keys
 from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from tokenweir.server.errors import engine_error, install_error_handlers
 from tokenweir.server.openapi import (CHAT_RESPONSES, COMPLETION_RESPONSES, METRICS_RESPONSES, build_openapi,
@@ -31,9 +31,10 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               metrics_require_api_key: bool = True, api_keys: Optional[dict[str, str]] = None) -> FastAPI:
     """The FastAPI app around a running engine. The app does not own the engine: whoever made
-    it shuts it down. With `api_key` or `api_keys` (key -> tenant), /v1/* (and /metrics unless
-    `metrics_require_api_key` is off) need `Authorization: Bearer KEY`; a key from `api_keys`
-    sets the request's tenant."""
+    it shuts it down. With `api_key` or `api_keys` (key -> tenant; not both), /v1/* (and
+    /metrics unless `metrics_require_api_key` is off) need `Authorization: Bearer KEY`; a key
+    from `api_keys` sets the request's tenant, and those tenants get metric labels of their own."""
+    check_api_key_options(api_key, api_keys)
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
     serving = OpenAIServing(client, max_waiting_requests)
@@ -83,6 +84,8 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
     keys: dict[str, Optional[str]] = dict(api_keys or {})
     if api_key:
         keys[api_key] = None
+    if api_keys:
+        client.reserve_tenant_labels(api_keys.values())
     if keys:
         app.add_middleware(APIKeyMiddleware, api_keys=keys, guarded=guarded_paths(metrics_require_api_key))
     return app

@@ -18,14 +18,22 @@ def _positive_int(text: str) -> int:
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* (and /metrics, see below)")
-    parser.add_argument("--api-keys-file", type=Path, default=None,
-                        help="JSON {key: tenant}: each key is accepted and fixes the request's tenant "
-                             "(overriding the body's `tenant`) for per-tenant fair share and metrics")
+    # Exclusive: a plain key beside a keys file would name no tenant, and its holders could
+    # claim any tenant's share by the body's `tenant`.
+    keys = parser.add_mutually_exclusive_group()
+    keys.add_argument("--api-key", default=None,
+                      help="require 'Authorization: Bearer KEY' on /v1/* (and /metrics, see below); the "
+                           "body's `tenant` names the request's tenant (not with --api-keys-file)")
+    keys.add_argument("--api-keys-file", type=Path, default=None,
+                      help="JSON {key: tenant}: each key is accepted and fixes the request's tenant "
+                           "(overriding the body's `tenant`) for per-tenant fair share and metrics, "
+                           "with a metric label of its own (without a keys file the body names the "
+                           "tenant, and only the first 32 named get one: later ones share 'other'). "
+                           "Not with --api-key: put a shared key in the file under a tenant of its own")
     parser.add_argument("--metrics-require-api-key", action=argparse.BooleanOptionalAction, default=True,
-                        help="with --api-key, /metrics needs the key too (default on: its prefix-cache "
-                             "counters tell whether another user's prefix is cached; vLLM leaves it open)")
+                        help="with --api-key or --api-keys-file, /metrics needs a key too (default on: its "
+                             "prefix-cache counters tell whether another user's prefix is cached; vLLM "
+                             "leaves it open)")
     parser.add_argument("--max-waiting-requests", type=_positive_int, default=None,
                         help="answer 429 with Retry-After once this many requests wait")
     parser.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,

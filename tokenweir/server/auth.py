@@ -1,6 +1,9 @@
 """`--api-key` / `--api-keys-file`: require `Authorization: Bearer KEY` on the guarded paths,
 before the body is read. With a keys file each key names its tenant, and that tenant is the
-request's: it overrides a `tenant` in the body, so no client can claim another's fair share."""
+request's: it overrides a `tenant` in the body, so no client can claim another's fair share.
+The two flags are exclusive: a plain key next to a keys file would name no tenant, and its
+holders would be back to naming any tenant in the body (a shared key goes in the file, under a
+tenant of its own)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ from starlette.requests import Request
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from tokenweir.metrics import NO_TENANT, OTHER_TENANTS
+from tokenweir.request import MAX_KEY_CHARS
 from tokenweir.server.errors import APIError
 
 # Always guarded: everything that runs the model or describes it.
@@ -23,6 +28,9 @@ API_PREFIX = "/v1/"
 METRICS_PATH = "/metrics"
 
 
+# A keys-file tenant has a metric label of its own, so it may not take these.
+_RESERVED_LABELS = {NO_TENANT: "requests without a tenant", OTHER_TENANTS: "the tenants past the label bound"}
+
 # Where the middleware leaves the authenticated key's tenant in the ASGI scope.
 TENANT_SCOPE_KEY = "tokenweir.tenant"
 
@@ -31,18 +39,38 @@ def guarded_paths(metrics_require_api_key: bool) -> tuple[str, ...]:
     return (API_PREFIX, METRICS_PATH) if metrics_require_api_key else (API_PREFIX,)
 
 
+def check_api_key_options(api_key: Optional[str], api_keys: Optional[dict[str, str]]) -> None:
+    """build_app's side of the exclusion (`serve`'s argparse group refuses the two flags)."""
+    if api_key and api_keys:
+        raise ValueError("api_key (--api-key) and api_keys (--api-keys-file) are exclusive: with a keys "
+                         "file every key names its tenant; put the shared key in the file under a "
+                         "tenant of its own")
+
+
 def load_api_keys(path: Path) -> dict[str, str]:
-    """A JSON object {key: tenant} (both non-empty strings)."""
+    """A JSON object {key: tenant}, each tenant a name a request could carry (non-empty, at
+    most MAX_KEY_CHARS characters) and not one of the metric labels reserved for no tenant and
+    for the overflow. Checked here, at startup: a request must never fail for its key's tenant.
+    Errors name a key by its position only (the keys are secrets)."""
+    where = f"--api-keys-file {str(path)!r}"
     try:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise ValueError(f"--api-keys-file {str(path)!r} cannot be read as JSON: {e}") from None
+        raise ValueError(f"{where} cannot be read as JSON: {e}") from None
     if not isinstance(data, dict) or not data:
-        raise ValueError(f"--api-keys-file {str(path)!r} must hold a non-empty JSON object {{key: tenant}}")
-    for key, tenant in data.items():
-        if not key or not isinstance(tenant, str) or not tenant:
-            raise ValueError(f"--api-keys-file {str(path)!r}: every key needs a non-empty tenant name, "
-                             f"got {tenant!r:.80} for a key")
+        raise ValueError(f"{where} must hold a non-empty JSON object {{key: tenant}}")
+    for position, (key, tenant) in enumerate(data.items(), 1):
+        if not key:
+            raise ValueError(f"{where}: key #{position} is empty")
+        if not isinstance(tenant, str) or not tenant:
+            raise ValueError(f"{where}: every key needs a non-empty tenant name, got {tenant!r:.80} "
+                             f"for key #{position}")
+        if len(tenant) > MAX_KEY_CHARS:
+            raise ValueError(f"{where}: the tenant of key #{position} has {len(tenant)} characters, "
+                             f"more than {MAX_KEY_CHARS}: {tenant!r:.40}")
+        if tenant in _RESERVED_LABELS:
+            raise ValueError(f"{where}: the tenant of key #{position} is {tenant!r}, the tenant metric "
+                             f"label of {_RESERVED_LABELS[tenant]}; name it otherwise")
     return data
 
 
