@@ -3,8 +3,9 @@
 The scheduler asks its controller for the limits of every step instead of reading two numbers
 from its config, so a controller can vary them (an SLO-driven one grows or shrinks the batch)
 without touching the scheduler loop. `static` is vLLM's behaviour: the configured numbers.
-A controller that adapts also sees what every step did (`on_step`, a `StepObservation`); time
-and measurements enter only as arguments, so the simulator runs it unchanged.
+A controller that adapts also sees what every step did (`on_step`, a `StepObservation`; a
+policy that overrides `on_step_observed` is handed the same one); time and measurements enter
+only as arguments, so the simulator runs it unchanged.
 """
 
 from __future__ import annotations
