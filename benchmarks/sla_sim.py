@@ -7,10 +7,13 @@ multiple of it. (a) 30% interactive + 70% batch under fcfs, priority and sla (an
 its SLO guard, and with the defaults of an earlier session, for comparison), in two shapes of
 interactive SLOs: the first evaluation's (TTFT 2 s, TPOT 250 ms) and a tight one (TTFT 1 s,
 TPOT 150 ms: under twice the 87 ms decode step of a full batch of 32, half a step with one
-300-token prefill); (b) two tenants, one sending 10x the other's requests, under fcfs and vtc.
-Writes docs/benchmarks/sla_sim.json and prints markdown.
+300-token prefill); (b) two tenants, one sending 10x the other's requests, under fcfs and vtc;
+(c) sla's SLO guard given a wrong profile (the shipped one with every time x0.2 and x5, a
+profile file built here) with and without its measured step-time correction, in the tight
+shape at x1.5 (the simulated machine stays the shipped profile). Writes
+docs/benchmarks/sla_sim.json and prints markdown.
 
-    .venv/bin/python benchmarks/sla_sim.py [--loads 1.5 2 3] [--seeds 1 2 3]
+    .venv/bin/python benchmarks/sla_sim.py [--loads 1.5 2 3] [--seeds 1 2 3] [--parts wrong-profile]
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from tokenweir.core.cost_model import StepCostModel, load_cost_model
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
@@ -37,6 +42,25 @@ POLICIES = {"fcfs": ["--scheduling-policy", "fcfs"], "priority": ["--scheduling-
             "sla, no SLO guard": ["--scheduling-policy", "sla", "--no-sla-protect-slos"],
             "sla (old defaults)": ["--scheduling-policy", "sla", "--sla-base-weight", "1", "--sla-aging-rate", "0.001",
                                    "--no-sla-protect-slos"]}
+# (c): the guard's profile is the shipped one with every step time scaled by these factors
+# (x0.2: it believes the machine 5x faster than it is; x5: 5x slower), with its correction
+# on and off; at this shape and load.
+WRONG_SCALES = (0.2, 5.0)
+WRONG_SHAPE, WRONG_LOAD = "tight: ttft 1 s, tpot 150 ms", 1.5
+PARTS = ("overload", "tenants", "wrong-profile")
+
+
+def scaled_profile(scale: float, directory: Path) -> Path:
+    """The shipped profile with every predicted time x `scale` (coefficients x scale, swap
+    bandwidth / scale), written into `directory`."""
+    shipped = load_cost_model(None)
+    model = StepCostModel({k: v * scale for k, v in shipped.coefficients.items()},
+                          shipped.swap_bytes_per_second / scale,
+                          {**shipped.metadata, "source": f"the shipped profile, every time x{scale:g}"},
+                          shipped.small_step_max_tokens, shipped.decode_knee)
+    path = directory / f"shipped-x{scale:g}.json"
+    path.write_text(json.dumps(model.to_dict()))
+    return path
 
 
 def simulate(flags: list[str]) -> dict:
@@ -66,14 +90,21 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES),
                         help="re-run only these overload rows; the others are kept from sla_sim.json")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS,
+                        help="run only these parts; the others are kept from sla_sim.json")
     ns = parser.parse_args()
-    rerun = set(ns.policies)
+    parts = set(ns.parts)
+    rerun = set(ns.policies) if "overload" in parts else set()
+    rerun_tenants = "tenants" in parts and set(ns.policies) == set(POLICIES)
     capacity = simulate(["--scheduling-policy", "fcfs", "--request-rate", "inf", "--seed", "1"])["request_throughput"]
-    report: dict = {"simulated": True, "capacity_req_s": capacity, "overload": [], "tenants": []}
-    if rerun != set(POLICIES):
+    report: dict = {"simulated": True, "capacity_req_s": capacity, "overload": [], "tenants": [], "wrong_profile": []}
+    if rerun != set(POLICIES) or not rerun_tenants or "wrong-profile" not in parts:
         previous = json.loads((OUT / "sla_sim.json").read_text())
         report["overload"] = [r for r in previous["overload"] if r["policy"] not in rerun]
-        report["tenants"] = previous["tenants"]
+        if not rerun_tenants:
+            report["tenants"] = previous["tenants"]
+        if "wrong-profile" not in parts:
+            report["wrong_profile"] = previous.get("wrong_profile", [])
     for shape in ns.shapes:
         for load in ns.loads:
             rate = f"{load * capacity:.2f}"
@@ -84,11 +115,23 @@ def main() -> None:
                     result = simulate([*flags, "--request-rate", rate, "--seed", str(seed),
                                        "--slo-mix", *SHAPES[shape]])
                     report["overload"].append({"shape": shape, "policy": name, "load": load, **summary(result)})
-    for seed in ns.seeds if rerun == set(POLICIES) else ():
+    for seed in ns.seeds if rerun_tenants else ():
         for policy in ("fcfs", "vtc"):
             result = simulate(["--scheduling-policy", policy, "--request-rate", f"{1.5 * capacity:.2f}",
                                "--seed", str(seed), "--slo-mix", *TENANT_MIX])
             report["tenants"].append({"policy": policy, "load": 1.5, **summary(result)})
+    if "wrong-profile" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            for scale in WRONG_SCALES:
+                profile = scaled_profile(scale, Path(tmp))
+                for correction in (True, False):
+                    for seed in ns.seeds:
+                        result = simulate(["--scheduling-policy", "sla", "--sla-cost-profile", str(profile),
+                                           f"--{'' if correction else 'no-'}sla-step-time-correction",
+                                           "--request-rate", f"{WRONG_LOAD * capacity:.2f}", "--seed", str(seed),
+                                           "--slo-mix", *SHAPES[WRONG_SHAPE]])
+                        report["wrong_profile"].append({"shape": WRONG_SHAPE, "load": WRONG_LOAD, "guard_scale": scale,
+                                                        "correction": correction, **summary(result)})
     report["profile"] = report["overload"][0]["profile"]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "sla_sim.json").write_text(json.dumps(report, indent=2))
@@ -119,6 +162,28 @@ def main() -> None:
         print(f"| {r['policy']} | {r['seed']} | {light['output_token_share']:.1%} | {heavy['output_token_share']:.1%} "
               f"| {light['median_ttft_ms'] / 1e3:.1f} | {light['max_e2el_ms'] / 1e3:.0f} "
               f"| {heavy['median_ttft_ms'] / 1e3:.1f} |")
+    print(f"\nsla's SLO guard given a wrong profile: interactive {WRONG_SHAPE}, x{WRONG_LOAD:g} "
+          "(the simulated machine: the shipped profile)\n")
+    print("| guard profile | step-time correction | inter. SLO met | inter. TTFT met | inter. TPOT met "
+          "| inter. goodput (req/s) | batch SLO met | batch goodput (req/s) | preemptions |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    true_rows = [r for r in report["overload"]
+                 if r["shape"] == WRONG_SHAPE and r["policy"] == "sla" and r["load"] == WRONG_LOAD]
+    rows = [("shipped (the true one)", "on", true_rows)]
+    for scale in WRONG_SCALES:
+        for correction in (True, False):
+            runs = [r for r in report["wrong_profile"] if r["guard_scale"] == scale and r["correction"] == correction]
+            rows.append((f"shipped x{scale:g}", "on" if correction else "off", runs))
+    for label, correction_label, runs in rows:
+        if not runs:
+            continue
+        inter = [r["classes"]["interactive"] for r in runs]
+        batch = [r["classes"]["batch"] for r in runs]
+        print(f"| {label} | {correction_label} | {pct([c['slo_attainment'] for c in inter])} "
+              f"| {pct([c['ttft_attainment'] for c in inter])} | {pct([c['tpot_attainment'] for c in inter])} "
+              f"| {sum(c['goodput'] for c in inter) / len(inter):.3f} | {pct([c['slo_attainment'] for c in batch])} "
+              f"| {sum(c['goodput'] for c in batch) / len(batch):.3f} "
+              f"| {sum(r['num_preemptions'] for r in runs) / len(runs):.0f} |")
 
 
 if __name__ == "__main__":

@@ -277,6 +277,9 @@ class EngineArgs:
                         "running request miss its TTFT or TPOT SLO (step times from sla_cost_profile)")
     sla_cost_profile: Optional[str] = _sla_field(
         "cost_profile", "sla: step cost profile (tokenweir profile) for --sla-protect-slos; default: the shipped CPU one")
+    sla_step_time_correction: bool = _sla_field(
+        "step_time_correction", "sla: scale the SLO guard's predicted step times by the running ratio of measured to "
+                                "predicted step periods (a profile of another machine, or a busier one)")
     sla_tenant_fairness: bool = _sla_field(
         "tenant_fairness", "sla: within a priority class, serve tenants by virtual token counters (VTC)")
     num_priority_classes: int = field(default=_SLA.num_priority_classes, metadata={

@@ -8,12 +8,12 @@ step is as long as the target allows (the per-step cost is paid once for more ro
 - predict: the cost model gives the largest sequence cap whose decode rows alone fill the
   target but a reserve (left for prefill chunks, so admitted prompts keep progressing), and the
   largest token budget whose full step (those decode rows plus a prefill chunk) fits the target;
-- correct: a running ratio of measured to predicted step periods scales every prediction (the
-  profile may be of another machine, or the machine busier); the windowed p99 of measured ITL
-  scales the target the prediction aims at (tails the mean-fitted model does not see): down at
-  once in proportion to a violation, up by at most `GROWTH` per window (by `MAX_GROWTH` far
-  under the band while climbing back to the model's own aim), and only while a limit actually
-  held something back;
+- correct: a running ratio of measured to predicted step periods (core/step_timing.py, which
+  sla's SLO guard shares) scales every prediction (the profile may be of another machine, or
+  the machine busier); the windowed p99 of measured ITL scales the target the prediction aims
+  at (tails the mean-fitted model does not see): down at once in proportion to a violation, up
+  by at most `GROWTH` per window (by `MAX_GROWTH` far under the band while climbing back to the
+  model's own aim), and only while a limit actually held something back;
 - hysteresis: no feedback inside the band [target x (1 - hysteresis), target x (1 - hysteresis
   / 4)] (its top stays below the target, so noise at the top does not cross it); a limit moves
   only by more than `hysteresis` of itself unless the target is violated; and after the
@@ -42,10 +42,8 @@ from typing import Optional
 from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.core.batch_control import BatchController, StepLimits, StepObservation
 from tokenweir.core.cost_model import StepComposition, StepCostModel, load_cost_model
+from tokenweir.core.step_timing import StepTimeCorrection
 
-# Weight of one step in the measured/predicted ratio: about ten steps of memory, so one noisy
-# step moves the predictions by a tenth of its error.
-CORRECTION_GAIN = 0.1
 # The sequence cap may grow by this share over the running count per interval (a cap far
 # above the requests that ran would let a load step fill the batch at once), and the aimed-at
 # period by this share per window near the band (below).
@@ -164,10 +162,11 @@ class SLOBatchController(BatchController):
         self.config = config
         self.max_limits = max_limits
         self.cost_model = cost_model
+        # The measured / predicted step period (core/step_timing.py) scales every prediction.
+        self.timing = StepTimeCorrection(cost_model)
         self.watermark = watermark
         self.target = config.target_tpot_ms / 1000
         self.target_ttft = None if config.target_ttft_ms is None else config.target_ttft_ms / 1000
-        self.correction = 1.0  # measured / predicted step period
         self.bias = 1.0  # the aimed-at period, as a share of the target
         self.prefill_reserve = PREFILL_RESERVE
         self.p99_itl: Optional[float] = None  # at the last adjustment: of the steps since the last move
@@ -178,14 +177,17 @@ class SLOBatchController(BatchController):
         self._itl: deque[tuple[float, float, int]] = deque()  # (step end, period, rows)
         self._ttft: deque[tuple[float, float]] = deque()  # (time, ttft)
         self._next_adjust: Optional[float] = None
-        self._step_start = 0.0
-        self._last_end: Optional[float] = None
         self._context_per_request = 0.0
         self._num_running = 0
         self._peak_running = 0  # since the last adjustment
         self._kv_cache_usage = 0.0
         self._held_back = False  # since the last adjustment, a limit kept work out of a step
         self._moved_at = -math.inf  # when the feedback last moved the aimed-at period
+
+    @property
+    def correction(self) -> float:
+        """Measured / predicted step period so far (what scales every prediction)."""
+        return self.timing.ratio
 
     # ------------------------------------------------------------------ the scheduler's calls
 
@@ -202,22 +204,12 @@ class SLOBatchController(BatchController):
         elif now >= self._next_adjust:
             self._adjust(now)
             self._next_adjust = now + self.config.interval
-        self._step_start = now
+        self.timing.begin_step(now)
         return self.limits
 
     def on_step(self, obs: StepObservation) -> None:
-        # A decode row waited since the previous step's results; a step of first tokens only
-        # (after idle time, say) is timed from its own start.
-        continued = obs.num_itl_rows > 0 and self._last_end is not None
-        period = obs.now - (self._last_end if continued else self._step_start)
-        self._last_end = obs.now
-        predicted = self.cost_model.predict(obs.composition)
-        if predicted > 0 and period > 0:
-            # Bounded around the current ratio, not absolutely: one outlier moves it little, yet
-            # it reaches any scale (a GPU against the shipped CPU profile) within some steps.
-            c = self.correction
-            self.correction += CORRECTION_GAIN * (min(10 * c, max(c / 10, period / predicted)) - c)
-        if continued:
+        period = self.timing.observe(obs)  # None: no decode row waited for this step
+        if period is not None:
             self._itl.append((obs.now, period, obs.num_itl_rows))
         for ttft in obs.ttfts:
             self._ttft.append((obs.now, ttft))
@@ -288,7 +280,7 @@ class SLOBatchController(BatchController):
                 decode_context_tokens=math.ceil(num_decode * context),
                 prefill_attention_pairs=num_prefill * (num_prefill + 1) // 2,
                 num_sampled=num_decode + int(num_prefill > 0))
-            return self.correction * self.cost_model.predict(comp)
+            return self.timing.predict(comp)
 
         seqs = largest(cfg.min_num_seqs, top.max_num_seqs,
                        lambda s: seconds(s, 0) <= period * (1 - self.prefill_reserve))

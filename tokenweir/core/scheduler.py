@@ -165,6 +165,9 @@ class Scheduler:
             cost_model=cost_model, watermark=cache_config.watermark)
         # Only a controller that adapts is told what each step did (it costs a pass over the step).
         self._controller_observes = type(self.batch_controller).on_step is not BatchController.on_step
+        # ... and a policy that reads it (sla's SLO guard corrects its step times by it): one
+        # observation per step, for both.
+        self._policy_observes = type(self.policy).on_step_observed is not SchedulingPolicy.on_step_observed
         self.step_limits: Optional[StepLimits] = None  # of the latest step, for the stats
         self.prefill_limits = PartialPrefillLimits.from_config(scheduler_config)
         self.waiting = self.policy.make_waiting_queue()
@@ -657,9 +660,13 @@ class Scheduler:
         self._in_flight = None
         if feedback:
             self.policy.on_step_served(served, now)
-        if self._controller_observes:
-            self.batch_controller.on_step(observe_step(scheduler_output, updates, self.running, len(self.waiting),
-                                                       self.kv_cache_manager.get_usage(), now))
+        if self._controller_observes or self._policy_observes:
+            observation = observe_step(scheduler_output, updates, self.running, len(self.waiting),
+                                       self.kv_cache_manager.get_usage(), now)
+            if self._controller_observes:
+                self.batch_controller.on_step(observation)
+            if self._policy_observes:
+                self.policy.on_step_observed(observation)
         return updates
 
     def fail_step(self, scheduler_output: SchedulerOutput, now: float = 0.0) -> list[Request]:

@@ -124,7 +124,8 @@ def main(ns: argparse.Namespace, args: EngineArgs) -> dict[str, Any]:
     cost_model = load_cost_model(ns.profile)
     if ns.profile is not None and args.scheduling_policy == "sla" and args.sla_cost_profile is None:
         # The simulated machine is the profile's: sla's SLO guard predicts its steps with it, as
-        # `serve --sla-cost-profile` would there (unless told otherwise).
+        # `serve --sla-cost-profile` would there (unless told otherwise). Its step-time
+        # correction would scale another profile to this one, but not reshape it.
         args = dataclasses.replace(args, sla_cost_profile=str(ns.profile))
     result, wall = simulate(args, ns, cost_model, show_progress=not ns.disable_tqdm)
     metrics = compute_metrics(result.records, result.duration_s, percentiles, slos)

@@ -3,8 +3,8 @@
 A policy is a small class built from its own config dataclass: it makes the waiting queue (the
 admission order), picks the running request to preempt, decides whether a waiting request may
 displace a running one and how far admission may look past a request that cannot run now, and
-sees what every step served. Every call gets `now`: the scheduler never reads a clock, so the
-simulator and the engine make the same decisions.
+sees what every step served and when its results came back. Every call gets `now`: the
+scheduler never reads a clock, so the simulator and the engine make the same decisions.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
+from tokenweir.core.batch_control import StepObservation
 from tokenweir.core.queues import RequestQueue
 from tokenweir.request import Request
 
@@ -119,6 +120,12 @@ class SchedulingPolicy(ABC):
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         """Called once per step after its results are applied, with every scheduled request
         (from the scheduler, a StepServed: read it with `served_rows`)."""
+
+    def on_step_observed(self, observation: StepObservation) -> None:
+        """Called once per step after its results are applied (not for a failed step), with
+        what the step did and `observation.now`, when its results came back: the same
+        StepObservation the batch controller's `on_step` gets. The scheduler builds it (a pass
+        over the step) only if the policy or the controller overrides its hook."""
 
     def take_expired(self, now: float) -> Sequence[tuple[Request, str]]:
         """Called once per step before anything is scheduled: requests (waiting or running) the

@@ -13,7 +13,8 @@ A waiting request preempts only when that makes room for it: the scheduler count
 blocks exactly before preempting anyone.
 
 The SLO guard (sla_guard.py) keeps a less important prefill out of a step that would make a
-more important request miss its TTFT or TPOT SLO.
+more important request miss its TTFT or TPOT SLO; with `step_time_correction` its predicted
+step times are corrected by the measured ones (`on_step_observed`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import operator
 from collections.abc import Mapping, Sequence
 from typing import Optional
 
+from tokenweir.core.batch_control import StepObservation
 from tokenweir.core.cost_model import load_cost_model
 from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest, served_rows
 from tokenweir.core.policies.fair_share import VirtualTokenCounters
@@ -335,6 +337,10 @@ class SLAPolicy(SchedulingPolicy):
         if self.counters is not None:
             self.counters.charge(served)
 
+    def on_step_observed(self, observation: StepObservation) -> None:
+        if self.guard is not None and self.config.step_time_correction:
+            self.guard.observe(observation)
+
     def take_expired(self, now: float) -> list[tuple[Request, str]]:
         if not self.config.drop_expired:
             return []
@@ -363,6 +369,7 @@ class SLAPolicy(SchedulingPolicy):
             stats["tenant_counters"] = self.counters.snapshot()
         if self.guard is not None:
             stats["slo_guard_refusals"] = self.guard.num_refused
+            stats["slo_guard_step_time_ratio"] = self.guard.timing.ratio  # measured / predicted
         return stats
 
 

@@ -7,7 +7,10 @@ puts the most important requests first, but once they are in, strict priority fi
 the budget with less important prefills: a step of interactive decodes and prefills then also
 carries batch prompts, and the interactive requests' first tokens and token pace wait for them.
 So, before a waiting (or swapped-out) request of class c is let into the step, the guard
-predicts the step's time without it (t0) and with it (t1) by the cost model, and refuses it if
+predicts the step's time without it (t0) and with it (t1) by the cost model, scaled by the
+running ratio of measured to predicted step periods (core/step_timing.py, as `slo` batch
+control does: the profile may be of another machine; the policy feeds it each step's
+StepObservation), and refuses it if
 a request of a more important class scheduled in the step is *protected*:
 - before its first token, with a TTFT SLO: on time without the chunk (now + t0 <= arrival +
   ttft_slo) and late with it (now + t1 > arrival + ttft_slo);
@@ -36,8 +39,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+from tokenweir.core.batch_control import StepObservation
 from tokenweir.core.cost_model import StepComposition, StepCostModel, chunk_composition
 from tokenweir.core.policies.sla_score import priority_class
+from tokenweir.core.step_timing import StepTimeCorrection
 from tokenweir.request import Request
 
 logger = logging.getLogger("tokenweir.sla")
@@ -72,7 +77,8 @@ class SLOGuard:
     """Decides, admission by admission, whether a request's prefill may join the step."""
 
     def __init__(self, cost_model: StepCostModel, num_classes: int) -> None:
-        self.cost_model = cost_model
+        # Predictions of the cost model times measured / predicted (1 until `observe` is fed).
+        self.timing = StepTimeCorrection(cost_model)
         self.num_classes = num_classes
         self.now = 0.0
         self._running: Sequence[Request] = ()
@@ -84,6 +90,11 @@ class SLOGuard:
         self.now = now
         self._running = running
         self._view = None
+        self.timing.begin_step(now)
+
+    def observe(self, observation: StepObservation) -> None:
+        """A step's results came back: its measured period corrects the predictions."""
+        self.timing.observe(observation)
 
     def _step_view(self, step_tokens: Mapping[str, int]) -> _StepView:
         """The step so far, updated for the requests admitted since the last call; recounted
@@ -129,7 +140,7 @@ class SLOGuard:
         view = self._step_view(step_tokens)
         if view.min_class >= cls:
             return True
-        predict, now = self.cost_model.predict, self.now
+        predict, now = self.timing.predict, self.now
         before = view.composition()
         t0 = predict(before)
         t1 = predict(before + chunk_composition(num_new_tokens, num_computed_tokens, request.num_tokens,

@@ -89,6 +89,9 @@ class SLAConfig(PolicyConfig):
     # miss its TTFT or TPOT SLO (sla_guard.py), by the step times of `cost_profile`.
     protect_slos: bool = True
     cost_profile: Optional[str] = None  # a `tokenweir profile` JSON; None: the shipped CPU profile
+    # Scale the guard's predictions by measured / predicted step periods (core/step_timing.py):
+    # the profile may be of another machine. Off: the profile's times as they are.
+    step_time_correction: bool = True
     num_priority_classes: int = 4
     tenant_fairness: bool = False  # within a class, tenants by VTC (band -> tenant -> score)
     vtc: VTCConfig = field(default_factory=VTCConfig)
@@ -115,7 +118,7 @@ class SLAConfig(PolicyConfig):
                 raise ValueError(f"sla {name} must be an integer >= {minimum}, got {value!r}")
         if self.cost_profile is not None and not isinstance(self.cost_profile, str):
             raise ValueError(f"sla cost_profile must be a path, got {self.cost_profile!r}")
-        for name in ("drop_expired", "tenant_fairness", "protect_slos"):
+        for name in ("drop_expired", "tenant_fairness", "protect_slos", "step_time_correction"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sla {name} must be true or false, got {getattr(self, name)!r}")
         if not isinstance(self.vtc, VTCConfig):

@@ -1,0 +1,148 @@
+"""The measured/predicted step-time correction (core/step_timing.py) that `slo` batch control
+and sla's SLO guard share: what a step's period is, its bounds, and how the scheduler hands the
+policy the step's observation (built once, only if someone reads it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.core.helpers import PagedFakeRunner, create_scheduler, make_request
+from tokenweir.config import CacheConfig, SchedulerConfig
+from tokenweir.core import scheduler as scheduler_module
+from tokenweir.core.batch_control import StepObservation, StepLimits
+from tokenweir.core.batch_slo import SLOBatchConfig, SLOBatchController
+from tokenweir.core.cost_model import FEATURES, StepComposition, StepCostModel
+from tokenweir.core.policies import FCFSPolicy, SLAConfig, SLAPolicy
+from tokenweir.core.scheduler import Scheduler
+from tokenweir.core.step_timing import CORRECTION_GAIN, MAX_STEP_FACTOR, StepTimeCorrection
+
+# 10 ms per step plus 1 ms per token.
+MODEL = StepCostModel({**{name: 0.0 for name in FEATURES}, "step": 0.010, "tokens": 0.001}, 1e9)
+DECODE = StepComposition(num_decode_seqs=10, decode_context_tokens=1000, num_sampled=10)  # 20 ms predicted
+
+
+def _obs(now: float, itl_rows: int = 10, comp: StepComposition = DECODE) -> StepObservation:
+    return StepObservation(now, comp, itl_rows, (), 10, 0, 1000, 0.1)
+
+
+def _steady(timing: StepTimeCorrection, now: float, period: float, n: int) -> float:
+    """n decode steps back to back, each `period` long."""
+    for _ in range(n):
+        timing.begin_step(now)
+        now += period
+        timing.observe(_obs(now))
+    return now
+
+
+def test_a_decode_step_is_timed_from_the_previous_results_and_a_first_step_from_its_start():
+    timing = StepTimeCorrection(MODEL)
+    timing.begin_step(1.0)
+    assert timing.observe(_obs(1.05)) is None  # the first step: no previous results
+    assert timing.ratio == pytest.approx(1 + CORRECTION_GAIN * (0.05 / 0.02 - 1))
+    timing.begin_step(1.06)  # 10 ms between the results and the next schedule: the decode rows waited them too
+    assert timing.observe(_obs(1.10)) == pytest.approx(0.05)
+    # After idle time, a step of first tokens only is timed from its own start.
+    timing.begin_step(5.0)
+    assert timing.observe(_obs(5.02, itl_rows=0)) is None
+    # An empty step predicts nothing: no correction from it.
+    before = timing.ratio
+    timing.begin_step(6.0)
+    timing.observe(_obs(6.0, itl_rows=0, comp=StepComposition()))
+    assert timing.ratio == before
+
+
+def test_the_ratio_converges_to_the_machine_and_one_outlier_moves_it_within_a_bound():
+    timing = StepTimeCorrection(MODEL)
+    now = _steady(timing, 0.0, 0.1, 100)  # the machine is 5x slower than the model
+    assert timing.ratio == pytest.approx(5.0, rel=1e-3)
+    assert timing.predict(DECODE) == pytest.approx(0.1, rel=1e-3)
+    # One step 3x the usual moves the ratio by a tenth of its error; one 1,000x (a stall)
+    # moves it no more than one MAX_STEP_FACTOR x, and the steps after bring it back.
+    moved = {}
+    for outlier in (3, MAX_STEP_FACTOR, 1000):
+        t = StepTimeCorrection(MODEL)
+        end = _steady(t, 0.0, 0.1, 100)
+        t.begin_step(end)
+        t.observe(_obs(end + 0.1 * outlier))
+        moved[outlier] = t.ratio / 5.0
+        _steady(t, end + 0.1 * outlier, 0.1, 30)
+        assert t.ratio == pytest.approx(5.0, rel=0.05)
+    assert moved[3] == pytest.approx(1 + CORRECTION_GAIN * 2, rel=1e-3)
+    assert moved[1000] == pytest.approx(moved[MAX_STEP_FACTOR]) == pytest.approx(
+        1 + CORRECTION_GAIN * (MAX_STEP_FACTOR - 1), rel=1e-3)
+    # ... and a step that seems to take no time at all moves it down by at most as much.
+    timing.begin_step(now)
+    timing.observe(_obs(now + 1e-9))
+    assert timing.ratio == pytest.approx(5.0 * (1 - CORRECTION_GAIN * (1 - 1 / MAX_STEP_FACTOR)), rel=1e-3)
+
+
+class _Observing(FCFSPolicy):
+    def __init__(self) -> None:
+        super().__init__()
+        self.observations: list[StepObservation] = []
+
+    def on_step_observed(self, observation: StepObservation) -> None:
+        self.observations.append(observation)
+
+
+class _Controller(SLOBatchController):
+    def __init__(self) -> None:
+        super().__init__(SLOBatchConfig(target_tpot_ms=1e6, initial_num_batched_tokens=64, initial_num_seqs=4),
+                         StepLimits(64, 4), MODEL)
+        self.observations: list[StepObservation] = []
+
+    def on_step(self, observation: StepObservation) -> None:
+        super().on_step(observation)
+        self.observations.append(observation)
+
+
+def _count_observations(monkeypatch) -> list[int]:
+    built = [0]
+    original = scheduler_module.observe_step
+
+    def counting(*args, **kwargs):
+        built[0] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_module, "observe_step", counting)
+    return built
+
+
+def test_the_scheduler_builds_one_observation_per_step_for_policy_and_controller_and_none_unasked(monkeypatch):
+    built = _count_observations(monkeypatch)
+    policy, controller = _Observing(), _Controller()
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), CacheConfig(block_size=4, num_blocks=64),
+                  policy=policy, batch_controller=controller)
+    runner = PagedFakeRunner(s.block_size)
+    s.add_request(make_request("a", 8, max_tokens=3))
+    for now in (0.5, 0.6, 0.7):
+        out = s.schedule(now - 0.05)
+        s.update_from_output(out, runner.execute(out), now)
+    assert built[0] == 3
+    assert [o.now for o in policy.observations] == [0.5, 0.6, 0.7]  # when the results came back
+    assert all(p is c for p, c in zip(policy.observations, controller.observations))  # the same one
+    out = s.schedule(0.8)
+    s.fail_step(out, 0.9)
+    assert built[0] == 3 and len(policy.observations) == 3  # a failed step is not observed
+
+    plain = create_scheduler()  # fcfs, static limits: nobody reads it
+    plain.add_request(make_request("b", 8, max_tokens=3))
+    runner = PagedFakeRunner(plain.block_size)
+    out = plain.schedule(0.0)
+    plain.update_from_output(out, runner.execute(out), 0.1)
+    assert built[0] == 3
+
+
+def test_sla_feeds_its_guard_the_measured_steps_unless_told_not_to():
+    for correction in (True, False):
+        policy = SLAPolicy(SLAConfig(step_time_correction=correction))
+        s = create_scheduler(policy=policy, max_num_batched_tokens=64, num_blocks=64)
+        runner = PagedFakeRunner(s.block_size)
+        s.add_request(make_request("a", 8, max_tokens=20))
+        now = 0.0
+        for _ in range(20):
+            out = s.schedule(now)
+            now += 0.001  # far faster than the shipped CPU profile
+            s.update_from_output(out, runner.execute(out), now)
+        ratio = s.get_stats().policy["slo_guard_step_time_ratio"]
+        assert (ratio < 0.5) if correction else (ratio == 1.0)

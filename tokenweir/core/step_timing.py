@@ -1,0 +1,60 @@
+"""Step times predicted by a cost model, corrected by the step times measured.
+
+A profile is of one machine, at one load: on a faster or slower machine (a GPU against the
+shipped CPU profile), or a busier one, every prediction is off by about the same factor. So a
+bounded running ratio of measured to predicted step periods scales the predictions; both the
+`slo` batch controller (batch_slo.py) and sla's SLO guard (policies/sla_guard.py) predict
+through one. It corrects the scale only: a profile whose shape is wrong (how a prefill chunk
+weighs against a decode row) stays wrong in shape.
+
+A step's period is timed from the previous step's results when decode rows waited for it (their
+inter-token latency: the scheduler's own time between the steps included), else from the
+step's own start (a step after idle time, or of first tokens only). Time enters only as
+arguments: `begin_step(now)` at `schedule(now)`, and the `now` of the StepObservation, when
+the step's results came back.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from tokenweir.core.batch_control import StepObservation
+from tokenweir.core.cost_model import StepComposition, StepCostModel
+
+# Weight of one step in the measured/predicted ratio: about ten steps of memory, so one noisy
+# step moves the predictions by a tenth of its error.
+CORRECTION_GAIN = 0.1
+# One step's ratio is taken within this factor of the running one: an outlier moves it little,
+# yet it reaches any scale (a GPU against the shipped CPU profile) within some steps.
+MAX_STEP_FACTOR = 10.0
+
+
+class StepTimeCorrection:
+    """`predict` is the cost model's prediction times `ratio`, measured / predicted so far."""
+
+    def __init__(self, cost_model: StepCostModel) -> None:
+        self.cost_model = cost_model
+        self.ratio = 1.0
+        self._step_start = 0.0
+        self._last_end: Optional[float] = None
+
+    def begin_step(self, now: float) -> None:
+        """The step being scheduled starts at `now`."""
+        self._step_start = now
+
+    def observe(self, obs: StepObservation) -> Optional[float]:
+        """Takes in a step's results; returns its period if decode rows waited for it (their
+        inter-token latency), else None."""
+        # No decode row waited (or it is the first step): timed from the step's own start.
+        start = self._last_end if obs.num_itl_rows > 0 else None
+        period = obs.now - (self._step_start if start is None else start)
+        self._last_end = obs.now
+        predicted = self.cost_model.predict(obs.composition)
+        if predicted > 0 and period > 0:
+            r = self.ratio
+            measured = min(MAX_STEP_FACTOR * r, max(r / MAX_STEP_FACTOR, period / predicted))
+            self.ratio += CORRECTION_GAIN * (measured - r)
+        return None if start is None else period
+
+    def predict(self, comp: StepComposition) -> float:
+        return self.ratio * self.cost_model.predict(comp)
