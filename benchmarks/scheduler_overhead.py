@@ -195,26 +195,37 @@ CHURN_PREFIXES = 8  # system prompts of the churn case
 CHURN_PREFIX_LEN, CHURN_SUFFIX_LEN = 128, 32
 
 
-def churn_request(i: int) -> Request:
+def churn_request(i: int, hints: SchedulingHints, arrival_time: float) -> Request:
     """One of CHURN_PREFIXES shared prefixes, a unique suffix, 32 to 95 output tokens."""
     p = i % CHURN_PREFIXES
     prompt = [p * 1000 + j for j in range(CHURN_PREFIX_LEN)] + [(i * 7 + j) % 50000 + 10_000
                                                               for j in range(CHURN_SUFFIX_LEN)]
     return Request(f"churn-{i}", prompt, SamplingParams(max_tokens=32 + (i * 37) % 64, ignore_eos=True),
-                   arrival_time=i * 1e-3, eos_token_id=2)
+                   arrival_time=arrival_time, eos_token_id=2, hints=hints)
 
 
-def measure_churn(num_running: int, num_waiting: int, steps: int, composition: CompositionConfig) -> dict:
+def measure_churn(num_running: int, num_waiting: int, steps: int,
+                  composition: CompositionConfig = CompositionConfig(), policy: str = "fcfs",
+                  policy_config=None) -> dict:
     """256 running and 10,000 waiting, requests finishing and admitted every step (each one
-    replaced by a new arrival outside the timed calls): the admission order chooses every step."""
+    replaced by a new arrival outside the timed calls): the admission order chooses every step.
+    Under a policy other than fcfs every request has the policy cases' hints (mixed_hints), and
+    the replacements arrive at the step's time, so their SLOs fall due while they wait."""
     block_size = 16
     per_req = (CHURN_PREFIX_LEN + CHURN_SUFFIX_LEN + 96) // block_size + 1
     sched = Scheduler(
-        SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=num_running, composition=composition),
+        SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=num_running, composition=composition,
+                        policy=policy, policy_config=policy_config),
         CacheConfig(block_size=block_size, num_blocks=num_running * per_req + 8 * CHURN_PREFIXES))
     counter = iter(range(10**9))
+
+    def new_request(arrival_time: Optional[float]) -> Request:
+        i = next(counter)
+        hints = mixed_hints(i) if policy != "fcfs" else SchedulingHints()
+        return churn_request(i, hints, i * 1e-3 if arrival_time is None else arrival_time)
+
     for _ in range(num_running + num_waiting):
-        sched.add_request(churn_request(next(counter)))
+        sched.add_request(new_request(None))
     now = 20.0
 
     def run(n: int) -> float:
@@ -227,13 +238,14 @@ def measure_churn(num_running: int, num_waiting: int, steps: int, composition: C
             updates = sched.update_from_output(out, {rid: [7] for rid in out.num_scheduled_tokens}, now)
             clock += time.process_time() - start
             for _ in range(sum(1 for u in updates if u.request.is_finished)):
-                sched.add_request(churn_request(next(counter)))
+                sched.add_request(new_request(None if policy == "fcfs" else now))
             now += STEP_S
         return clock
 
     run(450)  # through the first admissions into steady churn, and warm
     per_step_ms = run(steps) / steps * 1e3
-    return {"policy": f"fcfs, churn (8 shared prefixes), {composition.admission_order} order",
+    label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
+    return {"policy": f"{label}, churn (8 shared prefixes), {composition.admission_order} order",
             "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
             "cpu_ms_per_step": round(per_step_ms, 4),
             "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3),
@@ -265,7 +277,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=None,
                         choices=["fcfs", "fcfs-1024", "sla", "sla-batch-backlog", "sla-tenants", "vtc", "slo", "partial-prefills",
                                  "partial-prefills-passing", "cache-aware", "priority-cache-aware", "churn-policy",
-                                 "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped"])
+                                 "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped", "churn-sla",
+                                 "churn-sla-tenants", "churn-vtc"])
     args = parser.parse_args()
     cases = {"fcfs": lambda: measure(256, 10_000, args.steps), "fcfs-1024": lambda: measure(1024, 0, args.steps // 2),
              "sla": lambda: measure(256, 10_000, args.steps, "sla"),
@@ -280,7 +293,11 @@ def main() -> None:
              "priority-cache-aware": lambda: measure(256, 10_000, args.steps, "priority",
                                                      options=dict(composition=CompositionConfig("cache-aware"))),
              **{f"churn-{order}": (lambda order=order: measure_churn(256, 10_000, args.steps, CompositionConfig(order)))
-                for order in ("policy", "cache-aware", "length-aware", "sampling-grouped")}}
+                for order in ("policy", "cache-aware", "length-aware", "sampling-grouped")},
+             "churn-sla": lambda: measure_churn(256, 10_000, args.steps, policy="sla"),
+             "churn-sla-tenants": lambda: measure_churn(256, 10_000, args.steps, policy="sla",
+                                                        policy_config=SLAConfig(tenant_fairness=True)),
+             "churn-vtc": lambda: measure_churn(256, 10_000, args.steps, policy="vtc")}
     if args.cases:  # a subset: printed only, the docs stay as the last full run wrote them
         for name in args.cases:
             r = cases[name]()
@@ -341,10 +358,11 @@ def main() -> None:
               "The policy cases add to that: the feedback of every step (`StepServed`, one column per "
               "field, and for `vtc` and tenant fairness the counters charged per tenant), and for "
               "`sla` the admission attempt of the queue's head every step: the threshold walk that "
-              "finds it (a few heap entries per class: it walks by a key in which aging cancels "
-              "against the due time, and takes late requests from both ends of their range, so a "
-              "burst of close due times or a backlog of late requests no longer makes it walk "
-              "hundreds of entries) and the check that it can preempt nobody, from a per-class floor "
+              "finds it (in steady decode a few heap entries per class; with churn, some 4 pops "
+              "per step, 5-20 entries scored per pop, more while a late backlog's two ends score "
+              "alike: it walks by a key in which aging cancels against the due time, by due time "
+              "from both ends of the pending and late ranges, and by key, with the late range "
+              "bounded piece by piece; classes that cannot beat an earlier one are skipped) and the check that it can preempt nobody, from a per-class floor "
               "of the running requests' keys without scanning them. `priority` looks for a victim "
               "among the running requests whenever its queue's head tries to get in (every step "
               "here), one key per running request (`priority_key`, an attrgetter). Objects "

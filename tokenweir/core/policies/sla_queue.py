@@ -6,8 +6,8 @@ same for every request at one time, and urgency depends on the request's due tim
 it waits): it grows as the due time nears and fades after it. So within one class the best
 request is found with Fagin's threshold algorithm over heaps by a static value and by due time
 (see _ScoredHeaps): walk them in order, score what is seen exactly, stop once nothing unseen
-can beat the best. The cost is then a few heap operations per class per pop, not one score per
-waiting request.
+can beat the best. The cost is then some heap operations per pop (tens while a late backlog's
+two ends score alike), not one score per waiting request.
 
 Classes are the priority classes; with tenant fairness each class holds one such set of heaps
 per tenant and takes the tenant VTC says is furthest behind. Requests that have waited
@@ -32,12 +32,16 @@ from tokenweir.request import Request
 
 @dataclass(slots=True, eq=False)
 class _Entry:
-    request: Request
+    # None once it leaves the queue: a dead entry stays in the heaps until they are next
+    # compacted, up to one per live one, and must not keep a finished request (its token
+    # lists) alive for the garbage collector to walk through in every full collection.
+    request: Optional[Request]
     key: float  # static_key
     due: float  # due_time, inf without an SLO
     seq: int
     shifted: float = 0.0  # key + aging_rate * due (with a due time)
     alive: bool = True
+    late: bool = False  # moved from the pending heaps to the late ones
     seen: int = -1  # the walk of best() that last scored it
 
 
@@ -47,6 +51,51 @@ _Item = tuple[float, int, _Entry]
 _SLACK = 1e-9
 
 
+def _spare(bound: float) -> float:
+    """A bound plus the slack that makes "best >= it" safe from rounding."""
+    return bound + _SLACK * (1.0 + abs(bound))
+
+
+def _late_points(oldest: float, latest: float, now: float, scale: float, window: float,
+                 aging: float) -> list[tuple[float, float, float]]:
+    """(due, f(due), scale * urgency) at due times inside (oldest, latest), ascending: half a
+    window, one, two, four, ... in from each end, to the middle (see _split_late_bound)."""
+    middle = (oldest + latest) / 2
+    dues = []
+    step = window / 2
+    while oldest + step < middle:
+        dues.append(oldest + step)
+        dues.append(latest - step)
+        step *= 2
+    if oldest < middle < latest:
+        dues.append(middle)
+    points = []
+    for due in sorted(dues):
+        u = scale * urgency(now, due, window)
+        points.append((due, u - aging * due, u))
+    return points
+
+
+def _split_late_bound(points: list[tuple[float, float, float]], oldest: float, latest: float, f_oldest: float,
+                      f_latest: float, u_latest: float, top_shifted: float, top_key: float) -> float:
+    """At least the score of every unseen late entry, its due time in [oldest, latest], range
+    by range between the points: in [a, b] one scores at most top_shifted + max(f(a), f(b)) (f is
+    convex) and at most top_key + scale * urgency(b) (urgency grows towards now). The first
+    bound is tight at the range's two ends, the second at the old end where urgency is flat;
+    over the whole range at once each is loose in the other's place, where the best entry may
+    be (a late backlog whose oldest and newest ends score alike)."""
+    bound = -math.inf
+    due_a, f_a = oldest, f_oldest
+    for due, f, u in points:
+        if due <= oldest:
+            continue
+        if due >= latest:
+            break
+        bound = max(bound, min(top_shifted + max(f_a, f), top_key + u))
+        due_a, f_a = due, f
+    return max(bound, min(top_shifted + max(f_a, f_latest), top_key + u_latest))
+
+
 class _ScoredHeaps:
     """One class's (or one tenant's in a class) waiting requests, best score found by TA.
 
@@ -54,22 +103,29 @@ class _ScoredHeaps:
     aging_rate * due (fixed while waiting) and f(due) = scale * urgency(due) - aging_rate * due
     (the same function for every entry at one time). f is convex on each side of `now` (the
     sigmoid is convex below 0) and falls with due after `now`, so over any range of due times
-    it is largest at an end: the unseen entries not yet due score at most f(the earliest of
-    them), the unseen late ones at most f(the latest or the oldest of them). The walk takes,
-    round by round, the next entry of four orders, shifted (largest first), pending due times
-    (earliest first), late due times (latest first, and oldest first), scoring each once,
-    and stops when nothing unseen can beat the best: largest unseen shifted + the largest f
-    at the unseen ends. Requests of one kind have nearly one shifted value (aging cancels
-    against the due time), so the walk ends after a few rounds even in a burst of close due
-    times or a backlog of late requests. Without a due time the score is the key: the
-    largest key is the best of those."""
+    it is largest at an end: the unseen entries not yet due score at most the largest unseen
+    shifted + f(the earliest of them), the unseen late ones at most that shifted + f(the latest
+    or the oldest of them). Requests of one kind have nearly one shifted value (aging cancels
+    against the due time), so near `now`, where urgency moves fast with the due time, this
+    bound is tight. Far from `now` urgency is flat and the score is nearly the key, but then
+    the small spread of shifted (the size term, some 0.003 across prompt lengths) is as large
+    as f's change from one entry to the next (aging over the milliseconds between arrivals),
+    and that bound walks every entry of the larger shifted values, some 100 in a late backlog
+    of 3,000. So each side also has a heap by key, bounding its unseen entries by the largest
+    unseen key + scale * the urgency at the side's end nearest `now` (urgency falls away from
+    `now`): tight where urgency is flat. The walk takes, round by round, the next entry of the
+    six orders, scoring each once, and stops when nothing unseen can beat the best: on each
+    side the smaller of its two bounds. Without a due time the score is the key: the largest
+    key is the best of those."""
 
     def __init__(self) -> None:
         self.by_key: list[_Item] = []  # (-key, ...) of entries without a due time
         self.by_shifted: list[_Item] = []  # (-shifted, ...) of entries with one
         self.pending: list[_Item] = []  # (due, ...), due > now when last moved
+        self.pending_by_key: list[_Item] = []  # (-key, ...): the same entries as pending, late ones left lazily
         self.late: list[_Item] = []  # (-due, ...)
         self.late_oldest: list[_Item] = []  # (due, ...): the same entries as late
+        self.late_by_key: list[_Item] = []  # (-key, ...): the same entries as late
         self.live = 0
         self._dead = 0
         self._walks = itertools.count()
@@ -80,6 +136,7 @@ class _ScoredHeaps:
         else:
             heapq.heappush(self.by_shifted, (-entry.shifted, entry.seq, entry))
             heapq.heappush(self.pending, (entry.due, entry.seq, entry))
+            heapq.heappush(self.pending_by_key, (-entry.key, entry.seq, entry))
         self.live += 1
 
     def kill(self, entry: _Entry) -> None:
@@ -87,10 +144,12 @@ class _ScoredHeaps:
         self.live -= 1
         self._dead += 1
         if self._dead > self.live + 64:  # drop dead entries now and then
-            for name in ("by_key", "by_shifted", "pending", "late", "late_oldest"):
+            for name in ("by_key", "by_shifted", "pending", "late", "late_oldest", "late_by_key"):
                 heap = [e for e in getattr(self, name) if e[2].alive]
                 heapq.heapify(heap)
                 setattr(self, name, heap)
+            self.pending_by_key = [e for e in self.pending_by_key if e[2].alive and not e[2].late]
+            heapq.heapify(self.pending_by_key)
             self._dead = 0
 
     def _advance(self, now: float) -> None:
@@ -98,8 +157,22 @@ class _ScoredHeaps:
         while pending and pending[0][0] <= now:
             due, seq, entry = heapq.heappop(pending)
             if entry.alive:
+                entry.late = True  # its pending_by_key item goes when it reaches the top
                 heapq.heappush(self.late, (-due, seq, entry))
                 heapq.heappush(self.late_oldest, (due, seq, entry))
+                heapq.heappush(self.late_by_key, (-entry.key, seq, entry))
+        by_key = self.pending_by_key
+        while by_key and (by_key[0][2].late or not by_key[0][2].alive):
+            heapq.heappop(by_key)
+
+    def upper_bound(self, scale: float) -> float:
+        """At least the score (without the class's common terms) of every live entry, from the
+        key heaps' heads (dead or stale ones only raise it): urgency is at most 1."""
+        bound = -self.by_key[0][0] if self.by_key else -math.inf
+        for heap in (self.pending_by_key, self.late_by_key):
+            if heap:
+                bound = max(bound, -heap[0][0] + scale)
+        return bound
 
     def best(self, now: float, scale: float, window: float, aging: float) -> tuple[float, _Entry]:
         """(score without the terms common to the class, entry) of the best live entry:
@@ -111,9 +184,12 @@ class _ScoredHeaps:
             heapq.heappop(by_key)
         if by_key:
             best_score, best_entry = -by_key[0][0], by_key[0][2]
-        heaps = (self.by_shifted, self.pending, self.late, self.late_oldest)
-        taken: tuple[list[_Item], ...] = ([], [], [], [])
+        by_shifted, pending, late, late_oldest = self.by_shifted, self.pending, self.late, self.late_oldest
+        pending_by_key, late_by_key = self.pending_by_key, self.late_by_key
+        heaps = (by_shifted, pending, late, late_oldest, pending_by_key, late_by_key)
+        taken: tuple[list[_Item], ...] = ([], [], [], [], [], [])
         walk = next(self._walks)
+        points: Optional[list[tuple[float, float, float]]] = None  # see _late_points
         try:
             while True:
                 for heap, items in zip(heaps, taken):
@@ -122,6 +198,8 @@ class _ScoredHeaps:
                         e = item[2]
                         if not e.alive:
                             continue
+                        if heap is pending_by_key and e.late:
+                            continue  # it is in late_by_key: dropped for good
                         items.append(item)
                         if e.seen != walk:
                             e.seen = walk
@@ -130,18 +208,29 @@ class _ScoredHeaps:
                                 best_score, best_entry = s, e
                         break
                 # Heads left (dead ones too) bound what is unseen: see the class docstring.
-                if not heaps[0]:
+                # An unseen entry is in every heap of its side, so an empty heap proves none.
+                if not by_shifted:
                     break
-                ends = []
-                if self.pending:
-                    ends.append(self.pending[0][0])
-                if self.late and self.late_oldest:  # unseen late ones are left in both
-                    ends.append(-self.late[0][0])
-                    ends.append(self.late_oldest[0][0])
-                if not ends:
-                    break
-                bound = -heaps[0][0][0] + max(scale * urgency(now, due, window) - aging * due for due in ends)
-                if best_score >= bound + _SLACK * (1.0 + abs(bound)):
+                top_shifted = -by_shifted[0][0]
+                bound = -math.inf
+                if pending and pending_by_key:
+                    due = pending[0][0]
+                    u = scale * urgency(now, due, window)
+                    bound = min(top_shifted + u - aging * due, -pending_by_key[0][0] + u)
+                if late and late_oldest and late_by_key:
+                    latest, oldest = -late[0][0], late_oldest[0][0]
+                    u_latest = scale * urgency(now, latest, window)
+                    u_oldest = scale * urgency(now, oldest, window)
+                    top_key = -late_by_key[0][0]
+                    late_bound = min(top_shifted + max(u_latest - aging * latest, u_oldest - aging * oldest),
+                                     top_key + u_latest)
+                    if best_score < _spare(late_bound):
+                        if points is None:  # once per walk: the range only shrinks
+                            points = _late_points(oldest, latest, now, scale, window, aging)
+                        late_bound = _split_late_bound(points, oldest, latest, u_oldest - aging * oldest,
+                                                       u_latest - aging * latest, u_latest, top_shifted, top_key)
+                    bound = max(bound, late_bound)
+                if bound == -math.inf or best_score >= _spare(bound):
                     break
         finally:
             for heap, items in zip(heaps, taken):
@@ -203,15 +292,19 @@ class SLAQueue(RequestQueue):
             heaps = tenants[tenant] = _ScoredHeaps()
         return heaps
 
-    def _kill(self, entry: _Entry) -> None:
-        del self._entries[entry.request.request_id]
+    def _kill(self, entry: _Entry) -> Request:
+        """Take a live entry out of the queue; its request."""
         request = entry.request
+        assert request is not None, "a dead entry"
+        entry.request = None
+        del self._entries[request.request_id]
         tenants = self._classes[priority_class(request.priority, self.cfg.num_priority_classes)]
         tenant = request.tenant if self.counters is not None else None
         heaps = tenants[tenant]
         heaps.kill(entry)
         if not heaps.live:
             del tenants[tenant]
+        return request
 
     def _left(self, request: Request) -> Request:
         if self.counters is not None:
@@ -223,8 +316,7 @@ class SLAQueue(RequestQueue):
             request = self._aged.popleft()
         else:
             _, entry = self.best()
-            self._kill(entry)
-            request = entry.request
+            request = self._kill(entry)
             if self.counters is not None:
                 self.counters.note_chosen(request.tenant)
         self._on_popped(request)
@@ -260,8 +352,14 @@ class SLAQueue(RequestQueue):
                 heaps = tenants[self.counters.min_backlogged(among=tenants)]
             else:
                 heaps = next(iter(tenants.values()))
+            term = self.class_terms[cls]
+            # An earlier class wins ties, so a class that cannot score above the best so far
+            # is not walked: by default every class after the first one that holds a request
+            # (a priority level outweighs urgency).
+            if best_entry is not None and _spare(heaps.upper_bound(scale) + term) <= best_score:
+                continue
             score, entry = heaps.best(now, scale, cfg.time_window, cfg.aging_rate)
-            score += self.class_terms[cls]
+            score += term
             if best_entry is None or score > best_score:
                 best_score, best_entry = score, entry
         if best_entry is None:
@@ -276,8 +374,7 @@ class SLAQueue(RequestQueue):
         while heap and heap[0][0] <= horizon:
             _, _, entry = heapq.heappop(heap)
             if entry.alive:
-                self._kill(entry)
-                self._aged.append(entry.request)
+                self._aged.append(self._kill(entry))
         if len(heap) > 2 * len(self._entries) + 64:
             self._by_arrival = [item for item in heap if item[2].alive]
             heapq.heapify(self._by_arrival)
