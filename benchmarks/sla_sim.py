@@ -23,15 +23,19 @@ checked against VTC's bound. Writes docs/benchmarks/sla_sim.json and prints mark
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Optional
 
 from tokenweir.bench import serve as bench
+from tokenweir.bench.serve_metrics import RequestRecord
 from tokenweir.bench.slo_mix import class_report
 from tokenweir.cli import SIM_SKIPPED_ENGINE_ARGS, build_parser, engine_args_from
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
@@ -136,11 +140,66 @@ class TenantServiceLog:
                 "max_counter_gap": max(gaps) if gaps else None}
 
 
-def simulate_backlogged(policy: str, seed: int, capacity: float) -> dict:
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def client_view(arrivals: Sequence[float], tenants: Sequence[Optional[str]], records: Sequence[RequestRecord],
+                a: str = "heavy", b: str = "light", input_weight: float = 1.0, output_weight: float = 2.0) -> dict:
+    """What a client can measure of (d), for the real engine (whose steps it does not see): a
+    tenant counts as backlogged from a request's arrival until its first token (waiting, or in
+    its prefill), and a request's prompt counts as served at its first token, its output tokens
+    as its chunks arrive (a stream may put several tokens in one chunk: each chunk counts the
+    request's mean tokens per chunk). Shares of VTC's cost and of output tokens over the time
+    both tenants are backlogged so."""
+    pending = {t: _merge([(t0, t0 + r.ttft) for t0, tn, r in zip(arrivals, tenants, records)
+                          if tn == t and r.success]) for t in (a, b)}
+    both: list[tuple[float, float]] = []
+    i = j = 0
+    pa, pb = pending[a], pending[b]
+    while i < len(pa) and j < len(pb):
+        lo, hi = max(pa[i][0], pb[j][0]), min(pa[i][1], pb[j][1])
+        if lo < hi:
+            both.append((lo, hi))
+        if pa[i][1] < pb[j][1]:
+            i += 1
+        else:
+            j += 1
+    starts = [lo for lo, _ in both]
+
+    def inside(t: float) -> bool:
+        k = bisect.bisect_right(starts, t) - 1
+        return k >= 0 and t < both[k][1]
+
+    service = {a: 0.0, b: 0.0}
+    outputs = {a: 0.0, b: 0.0}
+    for t0, tenant, r in zip(arrivals, tenants, records):
+        if tenant not in service or not r.success:
+            continue
+        first = t0 + r.ttft
+        if inside(first):
+            service[tenant] += input_weight * r.prompt_len
+        per_chunk = r.output_tokens / (len(r.itl) + 1)
+        for t in itertools.accumulate(r.itl, initial=first):
+            if inside(t):
+                service[tenant] += output_weight * per_chunk
+                outputs[tenant] += per_chunk
+    return {"seconds": float(sum(hi - lo for lo, hi in both)), "last_s": float(both[-1][1]) if both else None,
+            "service_share": {t: v / (sum(service.values()) or 1.0) for t, v in service.items()},
+            "output_share": {t: v / (sum(outputs.values()) or 1.0) for t, v in outputs.items()}}
+
+
+def simulate_backlogged(policy: str, seed: int, capacity: float, window_s: float = BACKLOGGED_WINDOW_S) -> dict:
     """(d) in this process, with a TenantServiceLog on the simulator."""
     light_rate = BACKLOGGED_LIGHT_LOAD * capacity
     rate = light_rate * (BACKLOGGED_RATIO + 1)
-    num = round(rate * BACKLOGGED_WINDOW_S)
+    num = round(rate * window_s)
     argv = ["simulate", *WORKLOAD, "--num-prompts", str(num), "--scheduling-policy", policy,
             "--request-rate", f"{rate:.2f}", "--seed", str(seed),
             "--slo-mix", f"heavy:{BACKLOGGED_RATIO}:tenant=heavy", "light:1:tenant=light"]
@@ -158,10 +217,12 @@ def simulate_backlogged(policy: str, seed: int, capacity: float) -> dict:
     window = log.both_backlogged("heavy", "light")
     return {"policy": policy, "seed": seed, "light_load": BACKLOGGED_LIGHT_LOAD, "ratio": BACKLOGGED_RATIO,
             "request_rate": round(rate, 2), "num_prompts": num,
-            "last_arrival_s": max(workload.arrivals), "duration": result.duration_s,
+            "last_arrival_s": float(max(workload.arrivals)), "duration": result.duration_s,
             "completed": sum(r.success for r in result.records), "num_preemptions": result.num_preemptions,
             "profile": profile_label(cost_model, None), "step_bound_u": log.step_bound(),
-            "both_backlogged": window, "classes": report}
+            "both_backlogged": window, "classes": report,
+            "client_view": client_view([float(t) for t in workload.arrivals], [c.tenant for c in classes],
+                                       result.records)}
 
 
 def scaled_profile(scale: float, directory: Path) -> Path:

@@ -54,3 +54,23 @@ def test_the_log_counts_vtc_service_and_changes_no_decision(policy):
         assert window["max_counter_gap"] <= 2 * log.step_bound()
     else:
         assert window["service_share"]["light"] < 0.2 and window["max_counter_gap"] is None
+
+
+def test_the_client_view_counts_what_arrives_while_both_tenants_wait_for_a_first_token():
+    from tokenweir.bench.serve_metrics import RequestRecord
+
+    def rec(prompt: int, ttft: float, itl: list[float]) -> RequestRecord:
+        return RequestRecord(success=True, prompt_len=prompt, output_tokens=len(itl) + 1, ttft=ttft, itl=itl)
+
+    # Heavy waits for a first token over [0, 10), light over [2, 6): both backlogged in [2, 6).
+    arrivals = [0.0, 2.0, 3.0, 4.0, 1.0]
+    tenants = ["heavy", "light", "heavy", "light", None]
+    records = [rec(100, 10.0, []),  # its prompt and token come at 10: outside
+               rec(50, 4.0, [1.0]),  # at 6 (the window is half-open) and 7: outside
+               rec(10, 1.0, [1.0, 5.0]),  # prompt and tokens at 4 and 5 inside, 10 outside
+               rec(6, 0.5, [0.5, 3.0]),  # prompt and tokens at 4.5 and 5 inside, 8 outside
+               rec(999, 2.5, [])]  # no tenant of the two: not counted
+    view = sla_sim.client_view(arrivals, tenants, records)
+    assert view["seconds"] == pytest.approx(4.0) and view["last_s"] == pytest.approx(6.0)
+    assert view["service_share"]["light"] == pytest.approx((6 + 2 * 2) / (6 + 2 * 2 + 10 + 2 * 2))
+    assert view["output_share"] == {"heavy": 0.5, "light": 0.5}
