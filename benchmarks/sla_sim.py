@@ -10,8 +10,12 @@ TPOT 150 ms: under twice the 87 ms decode step of a full batch of 32, half a ste
 300-token prefill); (b) two tenants, one sending 10x the other's requests, under fcfs and vtc;
 (c) sla's SLO guard given a wrong profile (the shipped one with every time x0.2 and x5, a
 profile file built here) with and without its measured step-time correction, in the tight
-shape at x1.5 (the simulated machine stays the shipped profile). Writes
-docs/benchmarks/sla_sim.json and prints markdown.
+shape at x1.5 (the simulated machine stays the shipped profile); (d) "backlogged": the two
+tenants with the light one's own load above half the capacity (x0.75, heavy x7.5: both
+backlogged) over a fixed arrival window, run in this process with a step observer
+(`TenantServiceLog`) that records each step's service per tenant and which tenants are
+backlogged, so that shares are measured while both are, and under vtc the counters' gap is
+checked against VTC's bound. Writes docs/benchmarks/sla_sim.json and prints markdown.
 
     .venv/bin/python benchmarks/sla_sim.py [--loads 1.5 2 3] [--seeds 1 2 3] [--parts wrong-profile]
 """
@@ -19,13 +23,27 @@ docs/benchmarks/sla_sim.json and prints markdown.
 from __future__ import annotations
 
 import argparse
+import bisect
+import itertools
 import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Optional
 
+from tokenweir.bench import serve as bench
+from tokenweir.bench.serve_metrics import RequestRecord
+from tokenweir.bench.slo_mix import class_report
+from tokenweir.cli import SIM_SKIPPED_ENGINE_ARGS, build_parser, engine_args_from
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
+from tokenweir.core.policies.fair_share import VTCConfig
+from tokenweir.core.policies.vtc import VTCPolicy
+from tokenweir.core.scheduler import Scheduler, SchedulerOutput
+from tokenweir.sim.run import profile_label, sim_requests
+from tokenweir.sim.simulator import Simulator
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
@@ -47,7 +65,164 @@ POLICIES = {"fcfs": ["--scheduling-policy", "fcfs"], "priority": ["--scheduling-
 # on and off; at this shape and load.
 WRONG_SCALES = (0.2, 5.0)
 WRONG_SHAPE, WRONG_LOAD = "tight: ttft 1 s, tpot 150 ms", 1.5
-PARTS = ("overload", "tenants", "wrong-profile")
+# (d): light's rate x capacity (above 1/2: light alone asks for more than its fair half),
+# heavy's 10x that, arrivals over this many seconds (the count is rate x window).
+BACKLOGGED_LIGHT_LOAD, BACKLOGGED_RATIO, BACKLOGGED_WINDOW_S = 0.75, 10, 120.0
+PARTS = ("overload", "tenants", "wrong-profile", "backlogged")
+
+
+@dataclass(frozen=True, slots=True)
+class StepService:
+    start_s: float
+    backlogged: frozenset  # tenants with a request waiting or swapped when the step was scheduled
+    service: dict  # tenant -> VTC's cost of what the step computes for it (prompt and output tokens)
+    output_tokens: dict  # tenant -> tokens the step samples for it
+    counters: Optional[dict]  # tenant -> vtc's counter when the step was scheduled (vtc only)
+
+
+class TenantServiceLog:
+    """The simulator's `on_step` observer: per step, each tenant's service as VTC counts it
+    (`input_weight` per prompt token computed for the first time, `output_weight` per token
+    sampled; the weights of the policy if it is vtc, else VTC's defaults), who is backlogged,
+    and vtc's counters. It reads the scheduler and changes nothing. At `on_step` the step is
+    scheduled but not applied, so the counters include every earlier step and none of this one."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        policy = scheduler.policy
+        self.vtc = policy if isinstance(policy, VTCPolicy) else None
+        cfg = self.vtc.config if self.vtc is not None else VTCConfig()
+        self.input_weight, self.output_weight = cfg.input_weight, cfg.output_weight
+        self.steps: list[StepService] = []
+
+    def __call__(self, out: SchedulerOutput, now: float) -> None:
+        sched = self.scheduler
+        service: dict = {}
+        outputs: dict = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            r = sched.requests[rid]
+            start, num_prompt = r.num_computed_tokens, r.num_prompt_tokens
+            # Tokens below max_computed_tokens were computed before a preemption: not charged.
+            fresh = max(0, min(start + n, num_prompt) - max(start, r.max_computed_tokens))
+            sampled = 1 if start + n >= r.num_tokens else 0  # the simulator samples exactly these rows
+            tenant = r.tenant
+            service[tenant] = service.get(tenant, 0.0) + self.input_weight * fresh + self.output_weight * sampled
+            outputs[tenant] = outputs.get(tenant, 0) + sampled
+        backlogged = frozenset(r.tenant for queue in (sched.waiting, sched.swapped) for r in queue)
+        counters = dict(self.vtc.counters.counters) if self.vtc is not None else None
+        self.steps.append(StepService(now, backlogged, service, outputs, counters))
+
+    def step_bound(self) -> float:
+        """U for this engine: the most one step can charge one tenant, the whole token budget as
+        first-time prompt tokens plus a sampled token on every row (an upper bound: each decode
+        row also takes a token of the budget)."""
+        cfg = self.scheduler.config
+        return self.input_weight * cfg.max_num_batched_tokens + self.output_weight * cfg.max_num_seqs
+
+    def both_backlogged(self, a: str, b: str) -> dict:
+        """Shares of service and output tokens over the steps scheduled while `a` and `b` were
+        both backlogged, the time those steps took, the largest one-step charge seen and (vtc)
+        the largest counter gap at those steps."""
+        steps = self.steps
+        window = [i for i, s in enumerate(steps) if a in s.backlogged and b in s.backlogged]
+        service = {t: sum(steps[i].service.get(t, 0.0) for i in window) for t in (a, b)}
+        outputs = {t: sum(steps[i].output_tokens.get(t, 0) for i in window) for t in (a, b)}
+        seconds = sum(steps[i + 1].start_s - steps[i].start_s for i in window if i + 1 < len(steps))
+        gaps = [abs(steps[i].counters.get(a, 0.0) - steps[i].counters.get(b, 0.0))
+                for i in window if steps[i].counters is not None]
+        return {"steps": len(window), "seconds": seconds,
+                "first_s": steps[window[0]].start_s if window else None,
+                "last_s": steps[window[-1]].start_s if window else None,
+                "service": service, "output_tokens": outputs,
+                "service_share": {t: v / (sum(service.values()) or 1.0) for t, v in service.items()},
+                "output_share": {t: v / (sum(outputs.values()) or 1) for t, v in outputs.items()},
+                "max_step_charge": max((v for s in steps for v in s.service.values()), default=0.0),
+                "max_counter_gap": max(gaps) if gaps else None}
+
+
+def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def client_view(arrivals: Sequence[float], tenants: Sequence[Optional[str]], records: Sequence[RequestRecord],
+                a: str = "heavy", b: str = "light", input_weight: float = 1.0, output_weight: float = 2.0) -> dict:
+    """What a client can measure of (d), for the real engine (whose steps it does not see): a
+    tenant counts as backlogged from a request's arrival until its first token (waiting, or in
+    its prefill), and a request's prompt counts as served at its first token, its output tokens
+    as its chunks arrive (a stream may put several tokens in one chunk: each chunk counts the
+    request's mean tokens per chunk). Shares of VTC's cost and of output tokens over the time
+    both tenants are backlogged so."""
+    pending = {t: _merge([(t0, t0 + r.ttft) for t0, tn, r in zip(arrivals, tenants, records)
+                          if tn == t and r.success]) for t in (a, b)}
+    both: list[tuple[float, float]] = []
+    i = j = 0
+    pa, pb = pending[a], pending[b]
+    while i < len(pa) and j < len(pb):
+        lo, hi = max(pa[i][0], pb[j][0]), min(pa[i][1], pb[j][1])
+        if lo < hi:
+            both.append((lo, hi))
+        if pa[i][1] < pb[j][1]:
+            i += 1
+        else:
+            j += 1
+    starts = [lo for lo, _ in both]
+
+    def inside(t: float) -> bool:
+        k = bisect.bisect_right(starts, t) - 1
+        return k >= 0 and t < both[k][1]
+
+    service = {a: 0.0, b: 0.0}
+    outputs = {a: 0.0, b: 0.0}
+    for t0, tenant, r in zip(arrivals, tenants, records):
+        if tenant not in service or not r.success:
+            continue
+        first = t0 + r.ttft
+        if inside(first):
+            service[tenant] += input_weight * r.prompt_len
+        per_chunk = r.output_tokens / (len(r.itl) + 1)
+        for t in itertools.accumulate(r.itl, initial=first):
+            if inside(t):
+                service[tenant] += output_weight * per_chunk
+                outputs[tenant] += per_chunk
+    return {"seconds": float(sum(hi - lo for lo, hi in both)), "last_s": float(both[-1][1]) if both else None,
+            "service_share": {t: v / (sum(service.values()) or 1.0) for t, v in service.items()},
+            "output_share": {t: v / (sum(outputs.values()) or 1.0) for t, v in outputs.items()}}
+
+
+def simulate_backlogged(policy: str, seed: int, capacity: float, window_s: float = BACKLOGGED_WINDOW_S) -> dict:
+    """(d) in this process, with a TenantServiceLog on the simulator."""
+    light_rate = BACKLOGGED_LIGHT_LOAD * capacity
+    rate = light_rate * (BACKLOGGED_RATIO + 1)
+    num = round(rate * window_s)
+    argv = ["simulate", *WORKLOAD, "--num-prompts", str(num), "--scheduling-policy", policy,
+            "--request-rate", f"{rate:.2f}", "--seed", str(seed),
+            "--slo-mix", f"heavy:{BACKLOGGED_RATIO}:tenant=heavy", "light:1:tenant=light"]
+    ns = build_parser().parse_args(argv)  # the later --num-prompts wins, as on the command line
+    args = engine_args_from(ns, SIM_SKIPPED_ENGINE_ARGS)
+    cost_model = load_cost_model(None)
+    bench.check_counts(ns)
+    workload = bench.build_workload(ns, bench.load_tokenizer(ns.tokenizer))
+    classes = bench.slo_classes_of(ns, len(workload.requests))
+    sim = Simulator.from_engine_args(args, cost_model, timeseries_points=1)
+    log = TenantServiceLog(sim.scheduler)
+    sim.on_step = log
+    result = sim.run(sim_requests(workload, classes))
+    report = class_report(result.records, classes, result.duration_s)
+    window = log.both_backlogged("heavy", "light")
+    return {"policy": policy, "seed": seed, "light_load": BACKLOGGED_LIGHT_LOAD, "ratio": BACKLOGGED_RATIO,
+            "request_rate": round(rate, 2), "num_prompts": num,
+            "last_arrival_s": float(max(workload.arrivals)), "duration": result.duration_s,
+            "completed": sum(r.success for r in result.records), "num_preemptions": result.num_preemptions,
+            "profile": profile_label(cost_model, None), "step_bound_u": log.step_bound(),
+            "both_backlogged": window, "classes": report,
+            "client_view": client_view([float(t) for t in workload.arrivals], [c.tenant for c in classes],
+                                       result.records)}
 
 
 def scaled_profile(scale: float, directory: Path) -> Path:
@@ -97,14 +272,17 @@ def main() -> None:
     rerun = set(ns.policies) if "overload" in parts else set()
     rerun_tenants = "tenants" in parts and set(ns.policies) == set(POLICIES)
     capacity = simulate(["--scheduling-policy", "fcfs", "--request-rate", "inf", "--seed", "1"])["request_throughput"]
-    report: dict = {"simulated": True, "capacity_req_s": capacity, "overload": [], "tenants": [], "wrong_profile": []}
-    if rerun != set(POLICIES) or not rerun_tenants or "wrong-profile" not in parts:
+    report: dict = {"simulated": True, "capacity_req_s": capacity, "overload": [], "tenants": [], "wrong_profile": [],
+                    "backlogged": []}
+    if rerun != set(POLICIES) or not rerun_tenants or "wrong-profile" not in parts or "backlogged" not in parts:
         previous = json.loads((OUT / "sla_sim.json").read_text())
         report["overload"] = [r for r in previous["overload"] if r["policy"] not in rerun]
         if not rerun_tenants:
             report["tenants"] = previous["tenants"]
         if "wrong-profile" not in parts:
             report["wrong_profile"] = previous.get("wrong_profile", [])
+        if "backlogged" not in parts:
+            report["backlogged"] = previous.get("backlogged", [])
     for shape in ns.shapes:
         for load in ns.loads:
             rate = f"{load * capacity:.2f}"
@@ -132,6 +310,9 @@ def main() -> None:
                                            "--slo-mix", *SHAPES[WRONG_SHAPE]])
                         report["wrong_profile"].append({"shape": WRONG_SHAPE, "load": WRONG_LOAD, "guard_scale": scale,
                                                         "correction": correction, **summary(result)})
+    for seed in ns.seeds if "backlogged" in parts else ():
+        for policy in ("fcfs", "vtc"):
+            report["backlogged"].append(simulate_backlogged(policy, seed, capacity))
     report["profile"] = report["overload"][0]["profile"]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "sla_sim.json").write_text(json.dumps(report, indent=2))
@@ -162,6 +343,20 @@ def main() -> None:
         print(f"| {r['policy']} | {r['seed']} | {light['output_token_share']:.1%} | {heavy['output_token_share']:.1%} "
               f"| {light['median_ttft_ms'] / 1e3:.1f} | {light['max_e2el_ms'] / 1e3:.0f} "
               f"| {heavy['median_ttft_ms'] / 1e3:.1f} |")
+    heavy_load = BACKLOGGED_LIGHT_LOAD * BACKLOGGED_RATIO
+    print(f"\nboth tenants backlogged: light x{BACKLOGGED_LIGHT_LOAD:g}, heavy x{heavy_load:g} "
+          f"of capacity, arrivals over {BACKLOGGED_WINDOW_S:g} s; shares over the steps scheduled while both are\n")
+    print("| policy | seed | requests (light) | both backlogged (s of run) | light share of service "
+          "| light share of output tokens | largest step charge | largest counter gap | bound 2U "
+          "| light p50 TTFT (s) | heavy p50 TTFT (s) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in report["backlogged"]:
+        w, light, heavy = r["both_backlogged"], r["classes"]["light"], r["classes"]["heavy"]
+        gap = "-" if w["max_counter_gap"] is None else f"{w['max_counter_gap']:.0f}"
+        print(f"| {r['policy']} | {r['seed']} | {r['num_prompts']} ({light['requests']}) "
+              f"| {w['seconds']:.0f} of {r['duration']:.0f} | {w['service_share']['light']:.1%} "
+              f"| {w['output_share']['light']:.1%} | {w['max_step_charge']:.0f} | {gap} | {2 * r['step_bound_u']:.0f} "
+              f"| {light['median_ttft_ms'] / 1e3:.1f} | {heavy['median_ttft_ms'] / 1e3:.1f} |")
     print(f"\nsla's SLO guard given a wrong profile: interactive {WRONG_SHAPE}, x{WRONG_LOAD:g} "
           "(the simulated machine: the shipped profile)\n")
     print("| guard profile | step-time correction | inter. SLO met | inter. TTFT met | inter. TPOT met "
