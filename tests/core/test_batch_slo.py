@@ -354,3 +354,33 @@ def test_the_limits_come_back_within_windows_after_a_tail_they_could_not_remove(
         if step(False).max_num_seqs >= 0.9 * before.max_num_seqs:
             recovered = now - stalls_end
     assert recovered is not None and recovered <= 8 * 3.0
+
+
+def test_the_observation_has_each_prefill_chunks_attention_so_the_correction_stays_at_one():
+    # The world is the cost model itself, exactly. A 3,800-token prompt prefills in chunks
+    # while 8 requests decode: a chunk deep in it reads far more K/V than one at position 0
+    # (taken so before, the ratio rose to 1.5 and both limits fell for nothing).
+    model = cost_model(step=0.03, tokens=7e-4, prefill_attention=3.3e-7)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=8192,
+                                  batch_controller="slo", batch_control_config=SLOBatchConfig(target_tpot_ms=250.0)),
+                  CacheConfig(block_size=16, num_blocks=4000), cost_model=model)
+    for i in range(8):
+        s.add_request(make_request(f"d{i}", 64, max_tokens=100000, ignore_eos=True))
+    c = s.batch_controller
+    observed = []
+    on_step = c.on_step
+    c.on_step = lambda obs: (observed.append(obs.composition), on_step(obs))
+    runner, now, exact, ratios = PagedFakeRunner(16), 0.0, [], []
+    for i in range(400):
+        if i == 50:
+            s.add_request(make_request("long", 3800, max_tokens=4, arrival_time=now))
+        out = s.schedule(now)
+        exact.append(step_composition(out, s.requests))
+        now += model.predict(exact[-1])
+        s.update_from_output(out, runner.execute(out), now)
+        ratios.append(c.correction)
+    assert max(e.prefill_attention_pairs for e in exact) > 100 * 3000  # deep chunks ran
+    for e, o in zip(exact, observed):
+        assert (o.num_prefill_tokens, o.num_prefill_seqs, o.prefill_attention_pairs, o.num_decode_seqs) == \
+            (e.num_prefill_tokens, e.num_prefill_seqs, e.prefill_attention_pairs, e.num_decode_seqs)
+    assert max(abs(r - 1) for r in ratios) < 0.02
