@@ -261,21 +261,64 @@ def test_a_shrinking_cap_holds_back_admissions_and_preempts_nothing(policy):
     assert_no_leaks(s)
 
 
-def test_a_ttft_target_over_its_p99_moves_step_time_from_decode_rows_to_prefill():
-    def cap_after(ttft):
-        c = _controller(target_ttft_ms=1000.0)
-        now = 0.0
-        for _ in range(300):
-            rows = c.get_limits(now).max_num_seqs
-            now += MODEL.predict(StepComposition(num_decode_seqs=rows, decode_context_tokens=200 * rows,
-                                                 num_sampled=rows))
-            obs = _observe(now, rows, 200)
-            c.on_step(StepObservation(**{**{f: getattr(obs, f) for f in obs.__slots__}, "ttfts": (ttft,)}))
-        return c.prefill_reserve, c.get_limits(now + 1).max_num_seqs
+def _ttft_run(ttft, waiting):
+    c = _controller(target_ttft_ms=1000.0)
+    now = 0.0
+    for _ in range(300):
+        rows = c.get_limits(now).max_num_seqs
+        now += MODEL.predict(StepComposition(num_decode_seqs=rows, decode_context_tokens=200 * rows,
+                                             num_sampled=rows))
+        obs = _observe(now, rows, 200, waiting=waiting)
+        c.on_step(StepObservation(**{**{f: getattr(obs, f) for f in obs.__slots__}, "ttfts": (ttft,)}))
+    return c.prefill_reserve, c.get_limits(now + 1).max_num_seqs
 
-    (relaxed_reserve, relaxed_cap), (urgent_reserve, urgent_cap) = cap_after(0.5), cap_after(3.0)
+
+def test_a_ttft_target_over_its_p99_moves_step_time_from_decode_rows_to_prefill():
+    # Nothing waits for admission: the TTFT is the admitted prompts' prefill, which a larger
+    # reserve speeds up.
+    (relaxed_reserve, relaxed_cap), (urgent_reserve, urgent_cap) = _ttft_run(0.5, 0), _ttft_run(3.0, 0)
     assert relaxed_reserve == pytest.approx(0.1) and urgent_reserve == pytest.approx(0.5)
     assert urgent_cap < relaxed_cap
+
+
+def test_a_ttft_target_does_not_shrink_the_cap_while_requests_queue_behind_it():
+    # Requests wait for a slot at every step: the TTFT is queueing, which a smaller cap would
+    # lengthen, so the reserve stays where no TTFT target would have it.
+    (relaxed_reserve, relaxed_cap), (urgent_reserve, urgent_cap) = _ttft_run(0.5, 10), _ttft_run(3.0, 10)
+    assert urgent_reserve == relaxed_reserve == pytest.approx(0.1)
+    assert urgent_cap == relaxed_cap
+
+
+def test_a_ttft_target_under_overload_serves_as_much_as_none():
+    # Poisson arrivals beyond what the 150 ms TPOT target lets the engine serve: TTFT grows
+    # with the queue whatever the limits. A TTFT target must not lower throughput (it did:
+    # the reserve rose to its maximum, the cap fell by half, 9% fewer requests finished).
+    def finished(ttft):
+        rng = random.Random(0)
+        cfg = SLOBatchConfig(target_tpot_ms=150.0, target_ttft_ms=ttft, interval=0.5, window=5.0,
+                             min_num_batched_tokens=16)
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=128, batch_controller="slo",
+                                      batch_control_config=cfg), CacheConfig(block_size=4, num_blocks=40000),
+                      cost_model=MODEL)
+        runner, now, n, next_arrival, done = PagedFakeRunner(4), 0.0, 0, 0.0, 0
+        while now < 120.0:
+            while now >= next_arrival:
+                s.add_request(make_request(f"r{n}", rng.randrange(20, 60), max_tokens=rng.randrange(50, 150),
+                                           arrival_time=next_arrival))
+                n += 1
+                next_arrival += rng.expovariate(2.5)
+            if not s.has_unfinished_requests():
+                now = next_arrival
+                continue
+            out = s.schedule(now)
+            now += MODEL.predict(step_composition(out, s.requests))
+            done += sum(u.request.is_finished for u in s.update_from_output(out, runner.execute(out), now))
+        assert len(s.waiting) > 20  # overloaded
+        return done, s.batch_controller.prefill_reserve
+
+    (none_done, _), (target_done, reserve) = finished(None), finished(2000.0)
+    assert target_done >= none_done
+    assert reserve == pytest.approx(0.1)
 
 
 def test_the_cap_stays_near_the_requests_that_ran_under_light_load():
