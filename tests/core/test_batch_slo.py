@@ -243,8 +243,10 @@ def test_streams_are_those_of_static_only_timing_changes_and_nothing_leaks():
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_a_shrinking_cap_holds_back_admissions_and_preempts_nothing(policy):
     # 24 requests start at once under a cap given for the start; their contexts grow and the
-    # cap falls below the running count. Then more important requests arrive.
-    s = _scheduler(policy=policy, num_blocks=2000, initial_num_seqs=24, initial_num_batched_tokens=256)
+    # cap falls below the running count (a given minimum budget of 64, kept where its full steps
+    # miss the target, makes the feedback shrink it). Then more important requests arrive.
+    s = _scheduler(policy=policy, num_blocks=2000, initial_num_seqs=24, initial_num_batched_tokens=256,
+                   min_num_batched_tokens=64)
     requests = [make_request(f"r{i}", 40, max_tokens=60, priority=1) for i in range(24)]
     late = [make_request(f"late{i}", 10, max_tokens=5, priority=0) for i in range(6)]
     trace = _run(s, requests + late, [0.0] * 24 + [4.5] * 6)
@@ -359,9 +361,9 @@ def test_the_p99_feedback_acts_when_steps_are_long_against_the_window():
 
 
 def test_a_default_minimum_budget_yields_to_a_smaller_maximum():
-    args = EngineArgs(batch_controller="slo", target_tpot_ms=50, max_num_batched_tokens=32)
-    slo = args.create_engine_configs(8192, 1)[1].batch_control_config
-    assert slo.min_num_batched_tokens == 32
+    cache, sched = EngineArgs(batch_controller="slo", target_tpot_ms=50, max_num_batched_tokens=32).create_engine_configs(8192, 1)
+    assert sched.batch_control_config.min_num_batched_tokens is None  # the default, not the user's
+    assert Scheduler(sched, cache, cost_model=MODEL).batch_controller.min_num_batched_tokens == 32
     with pytest.raises(ValueError, match=r"min_num_batched_tokens \(40\) must be <= max_num_batched_tokens \(32\)"):
         EngineArgs(batch_controller="slo", target_tpot_ms=50, max_num_batched_tokens=32,
                    min_num_batched_tokens=40).create_engine_configs(8192, 1)
@@ -427,3 +429,45 @@ def test_the_observation_has_each_prefill_chunks_attention_so_the_correction_sta
         assert (o.num_prefill_tokens, o.num_prefill_seqs, o.prefill_attention_pairs, o.num_decode_seqs) == \
             (e.num_prefill_tokens, e.num_prefill_seqs, e.prefill_attention_pairs, e.num_decode_seqs)
     assert max(abs(r - 1) for r in ratios) < 0.02
+
+
+def _prefill_bound(**knobs):
+    # Requests wait with prompts to prefill; a full step of 64 tokens takes 20 + 128 ms in
+    # MODEL, over the 100 ms target: only 40 tokens fit.
+    c = _controller(**knobs)
+    now = 0.0
+    for _ in range(200):
+        limits = c.get_limits(now)
+        rows = min(4, limits.max_num_seqs)
+        comp = StepComposition(num_decode_seqs=rows, decode_context_tokens=rows * 200, num_sampled=rows,
+                               num_prefill_seqs=1, num_prefill_tokens=limits.max_num_batched_tokens - rows,
+                               prefill_attention_pairs=0)
+        now += MODEL.predict(comp)
+        obs = _observe(now, rows, 200, tokens=limits.max_num_batched_tokens)
+        c.on_step(StepObservation(**{**{f: getattr(obs, f) for f in obs.__slots__}, "num_running": rows}))
+    return c, c.get_limits(now + 1)
+
+
+def test_a_given_minimum_budget_the_target_cannot_meet_is_kept_and_said_once(caplog):
+    with caplog.at_level("WARNING", logger="tokenweir.batch_slo"):
+        c, limits = _prefill_bound(min_num_batched_tokens=64)
+    assert limits.max_num_batched_tokens == 64
+    assert c.get_stats() == {"min_budget_over_target": True}
+    assert c.bias == pytest.approx(0.1) and limits.max_num_seqs == 1  # what it costs
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tokenweir.batch_slo"]
+    assert len(warnings) == 1
+    assert "min_num_batched_tokens=64" in warnings[0] and "the largest budget that fits is 40" in warnings[0]
+
+
+def test_the_default_minimum_budget_yields_to_the_target(caplog):
+    with caplog.at_level("WARNING", logger="tokenweir.batch_slo"):
+        c, limits = _prefill_bound(min_num_batched_tokens=None)
+    # A full step within the target (20 ms + 4 rows at context 200 + 2 ms a token), and the
+    # aim and cap where the model puts them: kept at 64, the aim fell to its floor, the cap to 1.
+    rows = min(4, limits.max_num_seqs)
+    full = StepComposition(num_decode_seqs=rows, decode_context_tokens=rows * 200, num_sampled=rows,
+                           num_prefill_seqs=1, num_prefill_tokens=limits.max_num_batched_tokens - rows)
+    assert limits.max_num_batched_tokens < 64 and MODEL.predict(full) <= 0.1
+    assert c.get_stats() == {"min_budget_over_target": False}
+    assert c.bias > 0.9 and limits.max_num_seqs > 4
+    assert not [r for r in caplog.records if r.name == "tokenweir.batch_slo"]

@@ -102,6 +102,11 @@ class BatchController(ABC):
         """A step's results came back (not called for a failed step). The scheduler builds the
         observation only for a controller that overrides this."""
 
+    def get_stats(self) -> dict[str, object]:
+        """The controller's state for SchedulerStats.batch_control (kept small: read after
+        every step)."""
+        return {}
+
 
 class StaticBatchController(BatchController):
     name = "static"

@@ -102,6 +102,7 @@ class SchedulerStats:
     swap_space_usage: Optional[float] = None  # 0..1 of the host tier; None without one
     batch_controller: str = "static"
     batch_limits: Optional[StepLimits] = None  # of the latest step; None before the first
+    batch_control: dict[str, object] = field(default_factory=dict)  # the controller's own state (get_stats)
 
 
 @dataclass(slots=True)
@@ -278,7 +279,8 @@ class Scheduler:
                               num_blocks_swapped_out=self.num_blocks_swapped_out,
                               num_blocks_swapped_in=self.num_blocks_swapped_in,
                               swap_space_usage=kv.get_host_usage(),
-                              batch_controller=self.batch_controller.name, batch_limits=self.step_limits)
+                              batch_controller=self.batch_controller.name, batch_limits=self.step_limits,
+                              batch_control=self.batch_controller.get_stats())
 
     # ------------------------------------------------------------------ one step
 
