@@ -14,6 +14,7 @@ from typing import Optional, Union
 from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.core.composition import ADMISSION_ORDERS, CompositionConfig
 from tokenweir.core.batch_controllers import SLOBatchConfig, check_batch_control
+from tokenweir.core.batch_slo import DEFAULT_MIN_NUM_BATCHED_TOKENS
 from tokenweir.core.policies import POLICIES, PolicyConfig, SLAConfig, VTCConfig, parse_tenant_weights
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (core/preemption.py)
@@ -310,7 +311,10 @@ class EngineArgs:
         "help": "slo: target of the windowed p99 of inter-token latency / TPOT, ms (required with slo)"})
     target_ttft_ms: Optional[float] = field(default=None, metadata={
         "help": "slo: optional target of the windowed p99 TTFT, ms: over it, steps leave more room to prefill"})
-    min_num_batched_tokens: Optional[int] = _slo_batch_field("min_num_batched_tokens", "lowest token budget")
+    min_num_batched_tokens: Optional[int] = field(default=None, metadata={
+        "help": f"slo: lowest token budget, kept even where a full step of it misses the target (a warning "
+                f"says so); default {DEFAULT_MIN_NUM_BATCHED_TOKENS}, which yields to the target and to a "
+                f"smaller max_num_batched_tokens"})
     min_num_seqs: Optional[int] = _slo_batch_field("min_num_seqs", "lowest sequence cap")
     initial_num_batched_tokens: Optional[int] = field(default=None, metadata={
         "help": "slo: token budget until the first adjustment (default: the cost model's choice)"})
@@ -394,7 +398,7 @@ class EngineArgs:
                                     composition=CompositionConfig(self.admission_order, self.admission_max_wait,
                                                                   self.admission_window),
                                     batch_controller=self.batch_controller,
-                                    batch_control_config=self._batch_control_config(budget))
+                                    batch_control_config=self._batch_control_config())
         return cache, scheduler
 
     _SLO_BATCH_ARGS = {"min_num_batched_tokens": "min_num_batched_tokens", "min_num_seqs": "min_num_seqs",
@@ -403,7 +407,7 @@ class EngineArgs:
                        "batch_control_interval": "interval", "batch_control_hysteresis": "hysteresis",
                        "target_ttft_ms": "target_ttft_ms"}
 
-    def _batch_control_config(self, max_num_batched_tokens: int) -> Optional[SLOBatchConfig]:
+    def _batch_control_config(self) -> Optional[SLOBatchConfig]:
         given = {arg: getattr(self, arg) for arg in ("target_tpot_ms", *self._SLO_BATCH_ARGS)
                  if getattr(self, arg) is not None}
         if self.batch_controller != "slo":
@@ -413,10 +417,9 @@ class EngineArgs:
             return None
         if self.target_tpot_ms is None:
             raise ValueError("batch_controller 'slo' needs target_tpot_ms (the p99 ITL/TPOT to keep under)")
+        # The default minimum budget (None here) yields to a smaller maximum and to the target;
+        # one the user gave is checked against the maximum. (The default minimum cap, 1, fits any.)
         knobs = {knob: given[arg] for arg, knob in self._SLO_BATCH_ARGS.items() if arg in given}
-        # The default minimum budget yields to a smaller maximum; one the user gave is checked
-        # against it. (The default minimum cap, 1, fits any maximum.)
-        knobs.setdefault("min_num_batched_tokens", min(_SLO_BATCH.min_num_batched_tokens, max_num_batched_tokens))
         return SLOBatchConfig(target_tpot_ms=self.target_tpot_ms, **knobs)
 
     def _policy_config(self) -> Optional[PolicyConfig]:

@@ -308,6 +308,8 @@ class StatsLogger:
                 line += ", Batch limits (%s): %d tokens, %d seqs"
                 args += [stats.batch_controller, stats.batch_limits.max_num_batched_tokens,
                          stats.batch_limits.max_num_seqs]
+                if stats.batch_control.get("min_budget_over_target"):  # slo: the target cannot be met
+                    line += " (min budget over the target)"
             logger.info(line, *args)
         self._logged_idle = idle
         self._window = _Window(now)

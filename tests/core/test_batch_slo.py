@@ -243,8 +243,10 @@ def test_streams_are_those_of_static_only_timing_changes_and_nothing_leaks():
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_a_shrinking_cap_holds_back_admissions_and_preempts_nothing(policy):
     # 24 requests start at once under a cap given for the start; their contexts grow and the
-    # cap falls below the running count. Then more important requests arrive.
-    s = _scheduler(policy=policy, num_blocks=2000, initial_num_seqs=24, initial_num_batched_tokens=256)
+    # cap falls below the running count (a given minimum budget of 64, kept where its full steps
+    # miss the target, makes the feedback shrink it). Then more important requests arrive.
+    s = _scheduler(policy=policy, num_blocks=2000, initial_num_seqs=24, initial_num_batched_tokens=256,
+                   min_num_batched_tokens=64)
     requests = [make_request(f"r{i}", 40, max_tokens=60, priority=1) for i in range(24)]
     late = [make_request(f"late{i}", 10, max_tokens=5, priority=0) for i in range(6)]
     trace = _run(s, requests + late, [0.0] * 24 + [4.5] * 6)
@@ -261,21 +263,64 @@ def test_a_shrinking_cap_holds_back_admissions_and_preempts_nothing(policy):
     assert_no_leaks(s)
 
 
-def test_a_ttft_target_over_its_p99_moves_step_time_from_decode_rows_to_prefill():
-    def cap_after(ttft):
-        c = _controller(target_ttft_ms=1000.0)
-        now = 0.0
-        for _ in range(300):
-            rows = c.get_limits(now).max_num_seqs
-            now += MODEL.predict(StepComposition(num_decode_seqs=rows, decode_context_tokens=200 * rows,
-                                                 num_sampled=rows))
-            obs = _observe(now, rows, 200)
-            c.on_step(StepObservation(**{**{f: getattr(obs, f) for f in obs.__slots__}, "ttfts": (ttft,)}))
-        return c.prefill_reserve, c.get_limits(now + 1).max_num_seqs
+def _ttft_run(ttft, waiting):
+    c = _controller(target_ttft_ms=1000.0)
+    now = 0.0
+    for _ in range(300):
+        rows = c.get_limits(now).max_num_seqs
+        now += MODEL.predict(StepComposition(num_decode_seqs=rows, decode_context_tokens=200 * rows,
+                                             num_sampled=rows))
+        obs = _observe(now, rows, 200, waiting=waiting)
+        c.on_step(StepObservation(**{**{f: getattr(obs, f) for f in obs.__slots__}, "ttfts": (ttft,)}))
+    return c.prefill_reserve, c.get_limits(now + 1).max_num_seqs
 
-    (relaxed_reserve, relaxed_cap), (urgent_reserve, urgent_cap) = cap_after(0.5), cap_after(3.0)
+
+def test_a_ttft_target_over_its_p99_moves_step_time_from_decode_rows_to_prefill():
+    # Nothing waits for admission: the TTFT is the admitted prompts' prefill, which a larger
+    # reserve speeds up.
+    (relaxed_reserve, relaxed_cap), (urgent_reserve, urgent_cap) = _ttft_run(0.5, 0), _ttft_run(3.0, 0)
     assert relaxed_reserve == pytest.approx(0.1) and urgent_reserve == pytest.approx(0.5)
     assert urgent_cap < relaxed_cap
+
+
+def test_a_ttft_target_does_not_shrink_the_cap_while_requests_queue_behind_it():
+    # Requests wait for a slot at every step: the TTFT is queueing, which a smaller cap would
+    # lengthen, so the reserve stays where no TTFT target would have it.
+    (relaxed_reserve, relaxed_cap), (urgent_reserve, urgent_cap) = _ttft_run(0.5, 10), _ttft_run(3.0, 10)
+    assert urgent_reserve == relaxed_reserve == pytest.approx(0.1)
+    assert urgent_cap == relaxed_cap
+
+
+def test_a_ttft_target_under_overload_serves_as_much_as_none():
+    # Poisson arrivals beyond what the 150 ms TPOT target lets the engine serve: TTFT grows
+    # with the queue whatever the limits. A TTFT target must not lower throughput (it did:
+    # the reserve rose to its maximum, the cap fell by half, 9% fewer requests finished).
+    def finished(ttft):
+        rng = random.Random(0)
+        cfg = SLOBatchConfig(target_tpot_ms=150.0, target_ttft_ms=ttft, interval=0.5, window=5.0,
+                             min_num_batched_tokens=16)
+        s = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=128, batch_controller="slo",
+                                      batch_control_config=cfg), CacheConfig(block_size=4, num_blocks=40000),
+                      cost_model=MODEL)
+        runner, now, n, next_arrival, done = PagedFakeRunner(4), 0.0, 0, 0.0, 0
+        while now < 120.0:
+            while now >= next_arrival:
+                s.add_request(make_request(f"r{n}", rng.randrange(20, 60), max_tokens=rng.randrange(50, 150),
+                                           arrival_time=next_arrival))
+                n += 1
+                next_arrival += rng.expovariate(2.5)
+            if not s.has_unfinished_requests():
+                now = next_arrival
+                continue
+            out = s.schedule(now)
+            now += MODEL.predict(step_composition(out, s.requests))
+            done += sum(u.request.is_finished for u in s.update_from_output(out, runner.execute(out), now))
+        assert len(s.waiting) > 20  # overloaded
+        return done, s.batch_controller.prefill_reserve
+
+    (none_done, _), (target_done, reserve) = finished(None), finished(2000.0)
+    assert target_done >= none_done
+    assert reserve == pytest.approx(0.1)
 
 
 def test_the_cap_stays_near_the_requests_that_ran_under_light_load():
@@ -316,9 +361,9 @@ def test_the_p99_feedback_acts_when_steps_are_long_against_the_window():
 
 
 def test_a_default_minimum_budget_yields_to_a_smaller_maximum():
-    args = EngineArgs(batch_controller="slo", target_tpot_ms=50, max_num_batched_tokens=32)
-    slo = args.create_engine_configs(8192, 1)[1].batch_control_config
-    assert slo.min_num_batched_tokens == 32
+    cache, sched = EngineArgs(batch_controller="slo", target_tpot_ms=50, max_num_batched_tokens=32).create_engine_configs(8192, 1)
+    assert sched.batch_control_config.min_num_batched_tokens is None  # the default, not the user's
+    assert Scheduler(sched, cache, cost_model=MODEL).batch_controller.min_num_batched_tokens == 32
     with pytest.raises(ValueError, match=r"min_num_batched_tokens \(40\) must be <= max_num_batched_tokens \(32\)"):
         EngineArgs(batch_controller="slo", target_tpot_ms=50, max_num_batched_tokens=32,
                    min_num_batched_tokens=40).create_engine_configs(8192, 1)
@@ -354,3 +399,75 @@ def test_the_limits_come_back_within_windows_after_a_tail_they_could_not_remove(
         if step(False).max_num_seqs >= 0.9 * before.max_num_seqs:
             recovered = now - stalls_end
     assert recovered is not None and recovered <= 8 * 3.0
+
+
+def test_the_observation_has_each_prefill_chunks_attention_so_the_correction_stays_at_one():
+    # The world is the cost model itself, exactly. A 3,800-token prompt prefills in chunks
+    # while 8 requests decode: a chunk deep in it reads far more K/V than one at position 0
+    # (taken so before, the ratio rose to 1.5 and both limits fell for nothing).
+    model = cost_model(step=0.03, tokens=7e-4, prefill_attention=3.3e-7)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=64, max_model_len=8192,
+                                  batch_controller="slo", batch_control_config=SLOBatchConfig(target_tpot_ms=250.0)),
+                  CacheConfig(block_size=16, num_blocks=4000), cost_model=model)
+    for i in range(8):
+        s.add_request(make_request(f"d{i}", 64, max_tokens=100000, ignore_eos=True))
+    c = s.batch_controller
+    observed = []
+    on_step = c.on_step
+    c.on_step = lambda obs: (observed.append(obs.composition), on_step(obs))
+    runner, now, exact, ratios = PagedFakeRunner(16), 0.0, [], []
+    for i in range(400):
+        if i == 50:
+            s.add_request(make_request("long", 3800, max_tokens=4, arrival_time=now))
+        out = s.schedule(now)
+        exact.append(step_composition(out, s.requests))
+        now += model.predict(exact[-1])
+        s.update_from_output(out, runner.execute(out), now)
+        ratios.append(c.correction)
+    assert max(e.prefill_attention_pairs for e in exact) > 100 * 3000  # deep chunks ran
+    for e, o in zip(exact, observed):
+        assert (o.num_prefill_tokens, o.num_prefill_seqs, o.prefill_attention_pairs, o.num_decode_seqs) == \
+            (e.num_prefill_tokens, e.num_prefill_seqs, e.prefill_attention_pairs, e.num_decode_seqs)
+    assert max(abs(r - 1) for r in ratios) < 0.02
+
+
+def _prefill_bound(**knobs):
+    # Requests wait with prompts to prefill; a full step of 64 tokens takes 20 + 128 ms in
+    # MODEL, over the 100 ms target: only 40 tokens fit.
+    c = _controller(**knobs)
+    now = 0.0
+    for _ in range(200):
+        limits = c.get_limits(now)
+        rows = min(4, limits.max_num_seqs)
+        comp = StepComposition(num_decode_seqs=rows, decode_context_tokens=rows * 200, num_sampled=rows,
+                               num_prefill_seqs=1, num_prefill_tokens=limits.max_num_batched_tokens - rows,
+                               prefill_attention_pairs=0)
+        now += MODEL.predict(comp)
+        obs = _observe(now, rows, 200, tokens=limits.max_num_batched_tokens)
+        c.on_step(StepObservation(**{**{f: getattr(obs, f) for f in obs.__slots__}, "num_running": rows}))
+    return c, c.get_limits(now + 1)
+
+
+def test_a_given_minimum_budget_the_target_cannot_meet_is_kept_and_said_once(caplog):
+    with caplog.at_level("WARNING", logger="tokenweir.batch_slo"):
+        c, limits = _prefill_bound(min_num_batched_tokens=64)
+    assert limits.max_num_batched_tokens == 64
+    assert c.get_stats() == {"min_budget_over_target": True}
+    assert c.bias == pytest.approx(0.1) and limits.max_num_seqs == 1  # what it costs
+    warnings = [r.getMessage() for r in caplog.records if r.name == "tokenweir.batch_slo"]
+    assert len(warnings) == 1
+    assert "min_num_batched_tokens=64" in warnings[0] and "the largest budget that fits is 40" in warnings[0]
+
+
+def test_the_default_minimum_budget_yields_to_the_target(caplog):
+    with caplog.at_level("WARNING", logger="tokenweir.batch_slo"):
+        c, limits = _prefill_bound(min_num_batched_tokens=None)
+    # A full step within the target (20 ms + 4 rows at context 200 + 2 ms a token), and the
+    # aim and cap where the model puts them: kept at 64, the aim fell to its floor, the cap to 1.
+    rows = min(4, limits.max_num_seqs)
+    full = StepComposition(num_decode_seqs=rows, decode_context_tokens=rows * 200, num_sampled=rows,
+                           num_prefill_seqs=1, num_prefill_tokens=limits.max_num_batched_tokens - rows)
+    assert limits.max_num_batched_tokens < 64 and MODEL.predict(full) <= 0.1
+    assert c.get_stats() == {"min_budget_over_target": False}
+    assert c.bias > 0.9 and limits.max_num_seqs > 4
+    assert not [r for r in caplog.records if r.name == "tokenweir.batch_slo"]

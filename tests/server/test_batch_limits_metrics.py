@@ -13,10 +13,10 @@ from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.metrics import EngineMetrics, StatsLogger
 
 
-def _stats(controller: str) -> SchedulerStats:
+def _stats(controller: str, batch_control: dict | None = None) -> SchedulerStats:
     return SchedulerStats(num_running=3, num_waiting=0, num_swapped=0, kv_cache_usage=0.5, num_preemptions=0,
                           prefix_cache=PrefixCacheStats(), batch_controller=controller,
-                          batch_limits=StepLimits(384, 24))
+                          batch_limits=StepLimits(384, 24), batch_control=batch_control or {})
 
 
 def test_gauges_show_the_latest_step_limits():
@@ -36,3 +36,14 @@ def test_the_log_line_names_an_adaptive_controllers_limits_only(caplog):
     slo_line, static_line = caplog.messages
     assert slo_line.endswith(", Batch limits (slo): 384 tokens, 24 seqs")
     assert "Batch limits" not in static_line
+
+
+def test_the_log_line_says_when_the_minimum_budget_cannot_meet_the_target(caplog):
+    with caplog.at_level(logging.INFO, logger="tokenweir"):
+        for over in (True, False):
+            log = StatsLogger(interval_s=1.0, now=0.0)
+            log.add_tokens(10, 10)
+            log.maybe_log(_stats("slo", {"min_budget_over_target": over}), now=2.0)
+    over_line, fine_line = caplog.messages
+    assert over_line.endswith(", Batch limits (slo): 384 tokens, 24 seqs (min budget over the target)")
+    assert fine_line.endswith(", Batch limits (slo): 384 tokens, 24 seqs")

@@ -43,8 +43,9 @@ class StepObservation:
     """What one step did, as the scheduler saw it when the step's results came back at `now`."""
 
     now: float
-    # The step's composition, from counts only (a per-request composition would cost more than
-    # the controller's whole step): prefill chunks are taken to start at position 0.
+    # The step's composition: its prefill chunks exactly (tokens, rows, causal query-key pairs,
+    # from the scheduler's record of each chunk); decode rows from counts (the running
+    # requests' context stands for theirs).
     composition: StepComposition
     num_itl_rows: int  # requests that received a token after their first: each waited one ITL
     ttfts: Sequence[float]  # seconds from arrival, of the requests whose first token came now
@@ -61,15 +62,20 @@ def observe_step(out: SchedulerOutput, updates: Sequence[RequestUpdate], running
     # scheduled request, and the loop with the property call cost half again as much.)
     ttfts = [now - r.arrival_time for u in updates if len((r := u.request).output_token_ids) <= len(u.new_token_ids)]
     num_itl = len(updates) - len(ttfts)
-    num_seqs = len(out.num_scheduled_tokens)
-    prefill_seqs = max(0, num_seqs - num_itl)
-    prefill_tokens = max(0, out.total_num_scheduled_tokens - num_itl)
-    chunk = prefill_tokens // prefill_seqs if prefill_seqs else 0
+    # Pairs of each prefill chunk: n tokens after c computed ones read n*c + n*(n+1)/2 (a
+    # chunk deep in a long prompt costs far more than one at its start). Only the prefill
+    # chunks are visited, so a step of decode rows pays nothing for it.
+    scheduled = out.num_scheduled_tokens
+    prefill_tokens = pairs = 0
+    for rid, c in out.prefill_num_computed_tokens.items():
+        n = scheduled[rid]
+        prefill_tokens += n
+        pairs += n * c + n * (n + 1) // 2
+    prefill_seqs = len(out.prefill_num_computed_tokens)
     comp = StepComposition(num_prefill_tokens=prefill_tokens, num_prefill_seqs=prefill_seqs,
-                           num_decode_seqs=num_itl,
+                           num_decode_seqs=len(scheduled) - prefill_seqs,
                            decode_context_tokens=sum(r.num_computed_tokens for r in running),
-                           prefill_attention_pairs=prefill_seqs * chunk * (chunk + 1) // 2,
-                           num_sampled=len(updates))
+                           prefill_attention_pairs=pairs, num_sampled=len(updates))
     return StepObservation(now, comp, num_itl, ttfts, len(running), num_waiting,
                            comp.decode_context_tokens, kv_cache_usage)
 
@@ -95,6 +101,11 @@ class BatchController(ABC):
     def on_step(self, observation: StepObservation) -> None:
         """A step's results came back (not called for a failed step). The scheduler builds the
         observation only for a controller that overrides this."""
+
+    def get_stats(self) -> dict[str, object]:
+        """The controller's state for SchedulerStats.batch_control (kept small: read after
+        every step)."""
+        return {}
 
 
 class StaticBatchController(BatchController):

@@ -28,11 +28,26 @@ It shrinks by admitting less: the scheduler treats a lower cap as holding back a
 the budget never drops below what the running requests need for one token each. It does not
 raise the cap while the KV cache's free share is down to the watermark (admissions could not
 use it). With `target_ttft_ms`, a TTFT p99 over it moves step time from decode rows to prefill
-(a larger reserve, so a smaller cap). Time enters only through `now` arguments.
+(a larger reserve, so a smaller cap), but only in an interval where no request waited for
+admission behind a full limit (the cap, or a budget used up): a prefill reserve speeds up the
+prompts already admitted, while TTFT spent waiting to be admitted is queueing, which a smaller
+cap lengthens (fewer requests served at once, lower throughput, a longer queue). In an
+interval where requests queued so, a TTFT over the target steps the reserve back down towards
+`PREFILL_RESERVE` instead. Time enters only through `now` arguments.
+
+A minimum budget whose full step the model predicts over the aimed-at period cannot meet the
+target: every step that fills it violates, and the feedback then shrinks the cap (throughput)
+for a tail the cap cannot remove. A minimum the user gave (`--min-num-batched-tokens`) is
+kept, as vLLM keeps a limit it is given, but the controller says so: a warning once, with the
+numbers, and `min_budget_over_target` in its stats (the engine's log line) while it lasts. The
+default minimum (`DEFAULT_MIN_NUM_BATCHED_TOKENS`) is not the user's choice but a guard against
+budgets so small that prompts crawl; the target is, so the default yields, down to the largest
+budget that fits (never under a token per running request).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -43,6 +58,8 @@ from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.core.batch_control import BatchController, StepLimits, StepObservation
 from tokenweir.core.cost_model import StepComposition, StepCostModel, load_cost_model
 from tokenweir.core.step_timing import StepTimeCorrection
+
+logger = logging.getLogger("tokenweir.batch_slo")
 
 # The sequence cap may grow by this share over the running count per interval (a cap far
 # above the requests that ran would let a load step fill the batch at once), and the aimed-at
@@ -69,6 +86,9 @@ MAX_RESERVE = 0.5
 # The cap stops growing this close to the watermark: admissions need free blocks above it.
 MEMORY_MARGIN = 0.02
 PERCENTILE = 0.99
+# The minimum budget unless one is given: below it, prompts would crawl (each step pays its
+# fixed cost for a few tokens). It yields to the target and to a smaller maximum.
+DEFAULT_MIN_NUM_BATCHED_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -78,7 +98,9 @@ class SLOBatchConfig:
 
     target_tpot_ms: float
     target_ttft_ms: Optional[float] = None
-    min_num_batched_tokens: int = 64
+    # None: DEFAULT_MIN_NUM_BATCHED_TOKENS, which yields when a full step of it cannot meet the
+    # target (a given minimum is kept, with a warning).
+    min_num_batched_tokens: Optional[int] = None
     min_num_seqs: int = 1
     # None: chosen by the cost model at the first step.
     initial_num_batched_tokens: Optional[int] = None
@@ -105,17 +127,25 @@ class SLOBatchConfig:
         """The minima and initial values against the maxima (the scheduler's limits)."""
         for kind, maximum in (("num_batched_tokens", max_num_batched_tokens), ("num_seqs", max_num_seqs)):
             low, initial = getattr(self, f"min_{kind}"), getattr(self, f"initial_{kind}")
+            low = self.floor_num_batched_tokens(maximum) if low is None else low
             if low > maximum:
                 raise ValueError(f"min_{kind} ({low}) must be <= max_{kind} ({maximum})")
             if initial is not None and not low <= initial <= maximum:
                 raise ValueError(f"initial_{kind} ({initial}) must be within [min_{kind}, max_{kind}] "
                                  f"= [{low}, {maximum}]")
-        if self.min_num_batched_tokens < self.min_num_seqs:
+        if self.min_num_batched_tokens is not None and self.min_num_batched_tokens < self.min_num_seqs:
             raise ValueError(f"min_num_batched_tokens ({self.min_num_batched_tokens}) must be >= min_num_seqs "
                              f"({self.min_num_seqs}): every running request needs a token per step")
         tokens, seqs = self.initial_num_batched_tokens, self.initial_num_seqs
         if tokens is not None and seqs is not None and tokens < seqs:
             raise ValueError(f"initial_num_batched_tokens ({tokens}) must be >= initial_num_seqs ({seqs})")
+
+    def floor_num_batched_tokens(self, max_num_batched_tokens: int) -> int:
+        """The minimum budget: the given one, else the default within the maximum (and never
+        under min_num_seqs: every running request needs a token per step)."""
+        if self.min_num_batched_tokens is not None:
+            return self.min_num_batched_tokens
+        return max(self.min_num_seqs, min(DEFAULT_MIN_NUM_BATCHED_TOKENS, max_num_batched_tokens))
 
 
 def weighted_quantile(samples: Iterable[tuple[float, int]], q: float) -> Optional[float]:
@@ -171,7 +201,14 @@ class SLOBatchController(BatchController):
         self.prefill_reserve = PREFILL_RESERVE
         self.p99_itl: Optional[float] = None  # at the last adjustment: of the steps since the last move
         self.p99_ttft: Optional[float] = None
-        self.limits = StepLimits(config.initial_num_batched_tokens or max(config.min_num_batched_tokens,
+        self.min_num_batched_tokens = config.floor_num_batched_tokens(max_limits.max_num_batched_tokens)
+        # The default minimum yields to the target; a given one is kept (see the docstring).
+        self._min_yields = config.min_num_batched_tokens is None
+        # At the last decision: a full step of the (kept) minimum budget is predicted over the
+        # aimed-at period, so the target cannot be met by the budget.
+        self.min_budget_over_target = False
+        self._warned_min_budget = False
+        self.limits = StepLimits(config.initial_num_batched_tokens or max(self.min_num_batched_tokens,
                                                                           config.initial_num_seqs or 1),
                                  config.initial_num_seqs or config.min_num_seqs)
         self._itl: deque[tuple[float, float, int]] = deque()  # (step end, period, rows)
@@ -182,7 +219,11 @@ class SLOBatchController(BatchController):
         self._peak_running = 0  # since the last adjustment
         self._kv_cache_usage = 0.0
         self._held_back = False  # since the last adjustment, a limit kept work out of a step
+        self._queued = False  # ... and requests waited for admission behind it
         self._moved_at = -math.inf  # when the feedback last moved the aimed-at period
+
+    def get_stats(self) -> dict[str, object]:
+        return {"min_budget_over_target": self.min_budget_over_target}
 
     @property
     def correction(self) -> float:
@@ -222,6 +263,7 @@ class SLOBatchController(BatchController):
         if (obs.composition.num_tokens >= limits.max_num_batched_tokens
                 or (obs.num_waiting and obs.num_running >= limits.max_num_seqs)):
             self._held_back = True
+            self._queued = self._queued or obs.num_waiting > 0
 
     # ------------------------------------------------------------------ decisions
 
@@ -252,11 +294,14 @@ class SLOBatchController(BatchController):
         if self.target_ttft is not None:
             self.p99_ttft = weighted_quantile(((t, 1) for _, t in self._ttft), PERCENTILE)
             if self.p99_ttft is not None:
-                if self.p99_ttft > self.target_ttft:
+                if self.p99_ttft > self.target_ttft and self._queued:
+                    # Queueing: a larger reserve (a smaller cap) would lengthen it.
+                    self.prefill_reserve = max(PREFILL_RESERVE, self.prefill_reserve - RESERVE_STEP)
+                elif self.p99_ttft > self.target_ttft:
                     self.prefill_reserve = min(MAX_RESERVE, self.prefill_reserve + RESERVE_STEP)
                 elif self.p99_ttft < self.target_ttft * (1 - h):
                     self.prefill_reserve = max(PREFILL_RESERVE, self.prefill_reserve - RESERVE_STEP)
-        self._held_back = False
+        self._held_back = self._queued = False
         tokens, seqs = self._choose()
         seqs = min(seqs, max(self.config.min_num_seqs, math.ceil(self._peak_running * (1 + GROWTH)) + 1))
         self._peak_running = 0
@@ -290,8 +335,25 @@ class SLOBatchController(BatchController):
         # leave the prompts waiting behind fewer rows a too small budget); re-decided each
         # interval as the batch grows.
         rows = min(seqs, max(self._num_running, 1))
-        low = max(cfg.min_num_batched_tokens, seqs)
-        tokens = largest(low, top.max_num_batched_tokens, lambda b: seconds(rows, b - rows) <= period)
+        low = max(self.min_num_batched_tokens, seqs)
+
+        def fits(b: int) -> bool:
+            return seconds(rows, b - rows) <= period
+
+        tokens = largest(low, top.max_num_batched_tokens, fits)
+        self.min_budget_over_target = not fits(low) and low > seqs
+        if self.min_budget_over_target:
+            if self._min_yields:  # the largest budget that fits, down to the cap's rows
+                tokens, self.min_budget_over_target = largest(seqs, low, fits), False
+            elif not self._warned_min_budget:
+                self._warned_min_budget = True
+                feasible = largest(seqs, low, fits)
+                logger.warning(
+                    "slo: a full step of min_num_batched_tokens=%d (decode rows: %d) is predicted to take "
+                    "%.1f ms, over the %.1f ms aimed at (target_tpot_ms %.1f): steps that fill it miss the "
+                    "target and the cap shrinks instead; the largest budget that fits is %s",
+                    low, rows, 1000 * seconds(rows, low - rows), 1000 * period, cfg.target_tpot_ms,
+                    feasible if fits(feasible) else "none (the decode rows alone are over)")
         # Never fewer tokens than the running requests need to decode one each.
         tokens = max(tokens, min(top.max_num_batched_tokens, self._num_running))
         return tokens, seqs

@@ -64,6 +64,10 @@ class SchedulerOutput:
     scheduled_cached_reqs: list[CachedRequestData]
     num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
     total_num_scheduled_tokens: int
+    # Request id -> computed tokens before its chunk, of the prefill (or recompute) chunks only
+    # (what a cost model needs of them: a chunk deep in a long prompt reads far more K/V than
+    # one at its start); every other scheduled request is a decode row.
+    prefill_num_computed_tokens: dict[str, int]
     preempted_req_ids: set[str]  # the runner drops their state (swapped ones too)
     finished_req_ids: set[str]  # finished or aborted since the previous step
     # Swap preemption: (device block id, host block id) pairs, in both lists. The runner copies
@@ -98,6 +102,7 @@ class SchedulerStats:
     swap_space_usage: Optional[float] = None  # 0..1 of the host tier; None without one
     batch_controller: str = "static"
     batch_limits: Optional[StepLimits] = None  # of the latest step; None before the first
+    batch_control: dict[str, object] = field(default_factory=dict)  # the controller's own state (get_stats)
 
 
 @dataclass(slots=True)
@@ -107,6 +112,7 @@ class _StepState:
     limits: StepLimits
     budget: int
     num_scheduled: dict[str, int] = field(default_factory=dict)
+    prefill_computed: dict[str, int] = field(default_factory=dict)  # SchedulerOutput.prefill_num_computed_tokens
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     admitted: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
@@ -273,7 +279,8 @@ class Scheduler:
                               num_blocks_swapped_out=self.num_blocks_swapped_out,
                               num_blocks_swapped_in=self.num_blocks_swapped_in,
                               swap_space_usage=kv.get_host_usage(),
-                              batch_controller=self.batch_controller.name, batch_limits=self.step_limits)
+                              batch_controller=self.batch_controller.name, batch_limits=self.step_limits,
+                              batch_control=self.batch_controller.get_stats())
 
     # ------------------------------------------------------------------ one step
 
@@ -298,7 +305,7 @@ class Scheduler:
                 break
             if request.status is not _RUNNING:
                 continue  # preempted earlier in this step to make room for another
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            remaining = num_new = len(request.all_token_ids) - request.num_computed_tokens
             if num_new > 1:  # a prefill chunk (a decode's one token fits any budget left)
                 num_new = self._cap_tokens(num_new, step.budget)
             blocks = allocate(request, num_new)
@@ -306,7 +313,7 @@ class Scheduler:
                 blocks = self._allocate_or_preempt(request, num_new, step, now)
                 if blocks is None:
                     continue  # it was preempted itself
-            self._schedule_tokens(request, num_new, blocks, step)
+            self._schedule_tokens(request, num_new, remaining, blocks, step)
 
         # 2. Swapped-out requests come back when their blocks fit, but never in a step that
         # swapped out: its copies out and in could overwrite each other's blocks.
@@ -376,7 +383,7 @@ class Scheduler:
             step.blocks_to_swap_in.extend(pairs)
             self.num_blocks_swapped_in += len(pairs)
             self._admit(request, request.num_computed_tokens, now, step)
-            self._schedule_tokens(request, num_new, EMPTY_BLOCKS, step)
+            self._schedule_tokens(request, num_new, request.num_tokens - request.num_computed_tokens, EMPTY_BLOCKS, step)
 
     def _try_admit(self, request: Request, step: _StepState, now: float) -> bool:
         """Admit a waiting request and schedule its first chunk; False, with nothing changed,
@@ -406,7 +413,7 @@ class Scheduler:
             raise RuntimeError(f"admitting {request.request_id!r} failed after its room was planned")
         self.kv_cache_manager.record_prefix_lookup(request, num_hit)
         self._admit(request, num_hit, now, step)
-        self._schedule_tokens(request, num_new, blocks, step)
+        self._schedule_tokens(request, num_new, request.num_tokens - num_hit, blocks, step)
         return True
 
     def _plan_preemptions(self, request: Request, num_new: int, computed: KVCacheBlocks, num_hit: int,
@@ -507,6 +514,7 @@ class Scheduler:
         step.preempted.add(victim.request_id)
         if step.prefills is not None:
             step.prefills.remove(victim.request_id)
+        step.prefill_computed.pop(victim.request_id, None)
         # Its block ids and admission need no undoing: the output is built from `running`.
         step.budget += step.num_scheduled.pop(victim.request_id, 0)
 
@@ -528,13 +536,19 @@ class Scheduler:
         step.admitted.add(request.request_id)
 
     @staticmethod
-    def _schedule_tokens(request: Request, num_new: int, blocks: KVCacheBlocks, step: _StepState) -> None:
+    def _schedule_tokens(request: Request, num_new: int, remaining: int, blocks: KVCacheBlocks,
+                         step: _StepState) -> None:
+        """`num_new` of the `remaining` tokens the request has yet to compute."""
         step.num_scheduled[request.request_id] = num_new
         step.budget -= num_new
         if blocks is not EMPTY_BLOCKS:  # the manager hands out EMPTY_BLOCKS for "no new block"
             step.new_block_ids[request.request_id] = blocks.get_block_ids()
-        if step.prefills is not None and len(request.all_token_ids) - request.num_computed_tokens > 1:
-            step.prefills.add(request, num_new)  # a prefill (a decode, most calls, skips the call)
+        # A decode row has one token left and an output already (without one, that token is
+        # the prompt's last): two tests, as cheap as the one a decode paid before.
+        if remaining > 1 or not request.output_token_ids:
+            step.prefill_computed[request.request_id] = request.num_computed_tokens
+            if step.prefills is not None and remaining > 1:
+                step.prefills.add(request, num_new)
 
     def _top_up(self, step: _StepState) -> None:
         """What the step has left goes to its long prefills, which the threshold capped, in
@@ -591,7 +605,7 @@ class Scheduler:
             step_id=step_id, scheduled_new_reqs=new_reqs, scheduled_cached_reqs=cached_reqs,
             num_scheduled_tokens=step.num_scheduled,
             total_num_scheduled_tokens=limits.max_num_batched_tokens - step.budget,
-            preempted_req_ids=step.preempted, finished_req_ids=finished,
+            prefill_num_computed_tokens=step.prefill_computed, preempted_req_ids=step.preempted, finished_req_ids=finished,
             blocks_to_swap_out=step.blocks_to_swap_out, blocks_to_swap_in=step.blocks_to_swap_in)
 
     # ------------------------------------------------------------------ results of a step
