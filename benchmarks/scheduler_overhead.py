@@ -334,7 +334,7 @@ def main() -> None:
                      f"| {rounds_text} | {r['us_per_running_request']} |")
     over = [r["policy"] for r in results if r["num_running"] == 256 and r["cpu_ms_per_step"] > 1.0]
     lines += ["", "Target: <= 1 ms per step at 256 running + 10k waiting, for every policy. Cases over it "
-              f"(median) in this run: {', '.join(over) if over else 'none'}. The policy "
+              f"(median) in this run: {'; '.join(over) if over else 'none'}. The policy "
               "cases (`sla`, `vtc`) give every request SchedulingHints: 30% interactive (priority 0, "
               "TTFT 1 s, TPOT 100 ms), 70% batch (priority 1, TTFT 30 s, TPOT 1 s), 8 tenants, a "
               "deadline on every tenth; the virtual clock advances 20 ms per step, and measuring "
