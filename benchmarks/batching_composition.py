@@ -80,12 +80,17 @@ VARIANTS = (("policy", 5.0), ("cache-aware", 2.0), ("cache-aware", 5.0), ("cache
             ("cache-aware", 30.0), ("cache-aware", 60.0))
 
 
+def order_args(order: str, max_wait: float) -> dict[str, Any]:
+    """Engine args of an admission order: the aging bound only where there is one (`policy` refuses it)."""
+    return {"admission_order": order, **({} if order == "policy" else {"admission_max_wait": max_wait})}
+
+
 def prefix_sweep(cost_model, num_prompts: int) -> list[dict[str, Any]]:
     rows = []
     for rate in ("2", "4", "8", "inf"):
         flags = PREFIX_WORKLOAD + ["--num-prompts", str(num_prompts), "--request-rate", rate]
         for order, max_wait in VARIANTS:
-            engine = dict(PREFIX_ENGINE, admission_order=order, admission_max_wait=max_wait)
+            engine = dict(PREFIX_ENGINE, **order_args(order, max_wait))
             row = {"request_rate": rate, "admission_order": order,
                    "admission_max_wait": max_wait if order != "policy" else None,
                    **simulate(flags, engine, cost_model)}
@@ -101,7 +106,7 @@ def length_sweep(cost_model, num_prompts: int) -> list[dict[str, Any]]:
         for order in ("policy", "length-aware"):
             # A long bound: with every request aged, any order is the policy's.
             row = {"request_rate": rate, "admission_order": order,
-                   **simulate(flags, dict(admission_order=order, admission_max_wait=600.0), cost_model)}
+                   **simulate(flags, order_args(order, 600.0), cost_model)}
             rows.append(row)
             print(row, flush=True)
     return rows
@@ -153,7 +158,7 @@ def real_run(order: str, max_wait: float, num_prompts: int, rate: str, port: int
     engine_flags = [f"--{k.replace('_', '-')}={v}" for k, v in PREFIX_ENGINE.items()]
     server = subprocess.Popen(
         [sys.executable, "-m", "tokenweir.cli", "serve", "--port", str(port), "--disable-log-stats",
-         f"--admission-order={order}", f"--admission-max-wait={max_wait}", *engine_flags],
+         *[f"--{k.replace('_', '-')}={v}" for k, v in order_args(order, max_wait).items()], *engine_flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base_url = f"http://127.0.0.1:{port}"
     try:

@@ -395,8 +395,7 @@ class EngineArgs:
                                     max_num_partial_prefills=self.max_num_partial_prefills,
                                     max_long_partial_prefills=self.max_long_partial_prefills,
                                     policy_config=self._policy_config(),
-                                    composition=CompositionConfig(self.admission_order, self.admission_max_wait,
-                                                                  self.admission_window),
+                                    composition=self._composition(),
                                     batch_controller=self.batch_controller,
                                     batch_control_config=self._batch_control_config())
         return cache, scheduler
@@ -421,6 +420,23 @@ class EngineArgs:
         # one the user gave is checked against the maximum. (The default minimum cap, 1, fits any.)
         knobs = {knob: given[arg] for arg, knob in self._SLO_BATCH_ARGS.items() if arg in given}
         return SLOBatchConfig(target_tpot_ms=self.target_tpot_ms, **knobs)
+
+    def _composition(self) -> CompositionConfig:
+        """The admission order, refused where it could do nothing (a silent no-op flag would be
+        taken for one that works)."""
+        order = self.admission_order
+        if order == _COMPOSITION.admission_order:
+            given = [arg for arg, knob in (("admission_max_wait", "max_wait"), ("admission_window", "window"))
+                     if getattr(self, arg) != getattr(_COMPOSITION, knob)]
+            if given:
+                raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to an "
+                                 f"admission_order other than {order!r}")
+        elif self.scheduling_policy == "sla":
+            raise ValueError(f"admission_order {order!r} does nothing under scheduling_policy 'sla': its score "
+                             "sets every waiting request apart, so there is no band of equals to reorder")
+        elif order == "cache-aware" and not self.enable_prefix_caching:
+            raise ValueError("admission_order 'cache-aware' needs enable_prefix_caching (it orders by prefix-cache hits)")
+        return CompositionConfig(order, self.admission_max_wait, self.admission_window)
 
     def _policy_config(self) -> Optional[PolicyConfig]:
         """The knobs of the chosen policy (None: a policy without knobs takes its defaults)."""

@@ -131,6 +131,18 @@ def test_orders_are_configured_by_engine_args_and_checked():
         EngineArgs(admission_window=0)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(admission_max_wait=5.0), r"admission_max_wait applies only to an admission_order other than 'policy'"),
+    (dict(admission_window=4, admission_max_wait=5.0), r"admission_max_wait, admission_window apply only"),
+    (dict(scheduling_policy="sla", admission_order="cache-aware"),
+     r"admission_order 'cache-aware' does nothing under scheduling_policy 'sla'"),
+    (dict(admission_order="cache-aware", enable_prefix_caching=False), r"'cache-aware' needs enable_prefix_caching"),
+])
+def test_an_admission_order_that_would_do_nothing_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)._scheduler_and_cache_configs(None, 0)
+
+
 # ---------------------------------------------------------------- properties
 
 @st.composite
