@@ -83,7 +83,7 @@ def test_idle_tenants_counters_are_pruned_at_the_floor_and_never_gain_by_it():
     for i in range(3 * PRUNE_SLACK):
         counters.add_waiting(f"t{i}")  # lifted to the floor (main's 100)
         counters.remove_waiting(f"t{i}")
-    assert len(counters.counters) <= 2 * 1 + PRUNE_SLACK + 1
+    assert len(counters.counters) <= 1 + PRUNE_SLACK + 1
     assert counters.counter("main") == 100.0  # backlogged: never pruned
     # A pruned tenant still running is charged from the floor, not from zero.
     gone = next(f"t{i}" for i in range(3 * PRUNE_SLACK) if f"t{i}" not in counters.counters)
@@ -233,3 +233,34 @@ def test_vtc_and_load_knobs_that_would_do_nothing_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(**kwargs).create_engine_configs(2048, 64)
     EngineArgs(scheduling_policy="sla", sla_tenant_fairness=True, vtc_tenant_weights="a=2").create_engine_configs(2048, 64)
+
+
+def test_served_idle_tenants_are_pruned_too_and_the_floor_survives_it():
+    from tokenweir.core.policies.fair_share import PRUNE_SLACK
+    counters = VirtualTokenCounters(VTCConfig())
+    counters.add_waiting("main")  # backlogged throughout: the floor stays at its counter, 0
+    passes = 0
+    prune = counters._prune
+
+    def counted() -> None:
+        nonlocal passes
+        passes += 1
+        prune()
+
+    counters._prune = counted
+    n = 10 * PRUNE_SLACK
+    for i in range(n):  # each invented tenant is served, so it sits above the floor
+        counters.add_waiting(f"t{i}")
+        counters.charge([_served(_req(f"r{i}", f"t{i}", prompt_len=3), 0, 3)])
+        counters.remove_waiting(f"t{i}")
+    assert len(counters.counters) <= 1 + PRUNE_SLACK + 1
+    assert passes <= 2 * n // PRUNE_SLACK + 1  # amortized: a pass per PRUNE_SLACK / 2 tenants
+    # The tenant chosen last, pruned, must not drag the floor of an empty backlog to 0.
+    counters.note_chosen("t0")  # long pruned
+    counters.counters["t0"] = 50.0  # charged again (from the floor) while running
+    counters.remove_waiting("main")
+    counters._prune()
+    del counters.counters["t0"]
+    counters._prune()  # a second pass after it left again: the kept value holds
+    counters.add_waiting("new")
+    assert counters.counter("new") == 50.0

@@ -149,19 +149,21 @@ class VirtualTokenCounters:
             self._backlog[tenant] = count
             return
         del self._backlog[tenant]
-        if len(self.counters) > 2 * len(self._backlog) + PRUNE_SLACK:
+        if len(self.counters) > len(self._backlog) + PRUNE_SLACK:
             self._prune()
 
     def _prune(self) -> None:
-        """Forget the counters of tenants not backlogged that sit at or below the floor (one
-        per tenant name ever seen would grow without bound, and names come from clients): one
-        that comes back is lifted to the floor anyway. A pruned tenant still running is charged
-        from the floor on (see `charge`), at least its true counter: pruning never gives a
-        tenant more than its share, and below PRUNE_SLACK idle tenants it never happens."""
-        floor = self.floor()
-        if self._last_chosen is not None:
-            self._last_chosen_counter = self.counter(self._last_chosen)
-        self.counters = {t: c for t, c in self.counters.items() if t in self._backlog or c > floor}
+        """Forget idle tenants' counters (one per tenant name ever seen would grow without bound,
+        and names come from clients), least served first, down to PRUNE_SLACK / 2 idle ones, so
+        a pass comes at most once per PRUNE_SLACK / 2 tenants added. One at or below the floor
+        loses nothing (it would be lifted to the floor on return); one above it restarts at the
+        floor, gaining at most its lead, and only past PRUNE_SLACK idle tenants. A pruned tenant
+        still running is charged from the floor on (see `charge`)."""
+        if self._last_chosen in self.counters:
+            self._last_chosen_counter = self.counters[self._last_chosen]
+        idle = sorted((t for t in self.counters if t not in self._backlog), key=self.counters.__getitem__)
+        for tenant in idle[:max(0, len(idle) - PRUNE_SLACK // 2)]:
+            del self.counters[tenant]
 
     def charge(self, served: Sequence[ServedRequest]) -> None:
         cfg = self.config
