@@ -471,3 +471,23 @@ def test_the_default_minimum_budget_yields_to_the_target(caplog):
     assert c.get_stats() == {"min_budget_over_target": False}
     assert c.bias > 0.9 and limits.max_num_seqs > 4
     assert not [r for r in caplog.records if r.name == "tokenweir.batch_slo"]
+
+
+def test_queueing_ttfts_of_a_burst_do_not_ratchet_the_reserve_up_for_the_rest_of_the_window():
+    # One second in ten, requests queue behind the cap (TTFT 3 s); otherwise TTFT is 0.2 s. The
+    # window's p99 is the burst's for ten intervals: that is queueing, not a missing reserve.
+    from tokenweir.core.batch_slo import PREFILL_RESERVE
+    c = SLOBatchController(SLOBatchConfig(target_tpot_ms=200.0, target_ttft_ms=1000.0), StepLimits(1024, 256), MODEL)
+    now, reserves = 0.0, []
+    for _ in range(600):
+        limits = c.get_limits(now)
+        rows = min(limits.max_num_seqs, 8)
+        burst = int(now) % 10 == 0
+        comp = StepComposition(num_decode_seqs=rows, decode_context_tokens=rows * 200, num_sampled=rows,
+                               num_prefill_tokens=limits.max_num_batched_tokens - rows, num_prefill_seqs=1,
+                               prefill_attention_pairs=1000)
+        now += 0.1
+        c.on_step(StepObservation(now, comp, rows, [3.0] if burst else [0.2], rows, 50 if burst else 0,
+                                  rows * 200, 0.1))
+        reserves.append(c.prefill_reserve)
+    assert max(reserves) == pytest.approx(PREFILL_RESERVE)

@@ -28,11 +28,11 @@ It shrinks by admitting less: the scheduler treats a lower cap as holding back a
 the budget never drops below what the running requests need for one token each. It does not
 raise the cap while the KV cache's free share is down to the watermark (admissions could not
 use it). With `target_ttft_ms`, a TTFT p99 over it moves step time from decode rows to prefill
-(a larger reserve, so a smaller cap), but only in an interval where no request waited for
-admission behind a full limit (the cap, or a budget used up): a prefill reserve speeds up the
+(a larger reserve, so a smaller cap), but only when no request waited for admission behind a
+full limit (the cap, or a budget used up) within the window the p99 covers: a prefill reserve speeds up the
 prompts already admitted, while TTFT spent waiting to be admitted is queueing, which a smaller
-cap lengthens (fewer requests served at once, lower throughput, a longer queue). In an
-interval where requests queued so, a TTFT over the target steps the reserve back down towards
+cap lengthens (fewer requests served at once, lower throughput, a longer queue). While the
+window holds such queueing, a TTFT over the target steps the reserve back down towards
 `PREFILL_RESERVE` instead. Time enters only through `now` arguments.
 
 A minimum budget whose full step the model predicts over the aimed-at period cannot meet the
@@ -219,7 +219,9 @@ class SLOBatchController(BatchController):
         self._peak_running = 0  # since the last adjustment
         self._kv_cache_usage = 0.0
         self._held_back = False  # since the last adjustment, a limit kept work out of a step
-        self._queued = False  # ... and requests waited for admission behind it
+        # The last step in which requests waited for admission behind a full limit: TTFTs of
+        # the window after it include queueing, which a larger prefill reserve would lengthen.
+        self._queued_at = -math.inf
         self._moved_at = -math.inf  # when the feedback last moved the aimed-at period
 
     def get_stats(self) -> dict[str, object]:
@@ -263,7 +265,8 @@ class SLOBatchController(BatchController):
         if (obs.composition.num_tokens >= limits.max_num_batched_tokens
                 or (obs.num_waiting and obs.num_running >= limits.max_num_seqs)):
             self._held_back = True
-            self._queued = self._queued or obs.num_waiting > 0
+            if obs.num_waiting > 0:
+                self._queued_at = obs.now
 
     # ------------------------------------------------------------------ decisions
 
@@ -294,14 +297,15 @@ class SLOBatchController(BatchController):
         if self.target_ttft is not None:
             self.p99_ttft = weighted_quantile(((t, 1) for _, t in self._ttft), PERCENTILE)
             if self.p99_ttft is not None:
-                if self.p99_ttft > self.target_ttft and self._queued:
+                # The p99 covers the window, so the queueing that counts is the window's too.
+                if self.p99_ttft > self.target_ttft and now - self._queued_at <= self.config.window:
                     # Queueing: a larger reserve (a smaller cap) would lengthen it.
                     self.prefill_reserve = max(PREFILL_RESERVE, self.prefill_reserve - RESERVE_STEP)
                 elif self.p99_ttft > self.target_ttft:
                     self.prefill_reserve = min(MAX_RESERVE, self.prefill_reserve + RESERVE_STEP)
                 elif self.p99_ttft < self.target_ttft * (1 - h):
                     self.prefill_reserve = max(PREFILL_RESERVE, self.prefill_reserve - RESERVE_STEP)
-        self._held_back = self._queued = False
+        self._held_back = False
         tokens, seqs = self._choose()
         seqs = min(seqs, max(self.config.min_num_seqs, math.ceil(self._peak_running * (1 + GROWTH)) + 1))
         self._peak_running = 0
