@@ -146,3 +146,27 @@ def test_sla_feeds_its_guard_the_measured_steps_unless_told_not_to():
             s.update_from_output(out, runner.execute(out), now)
         ratio = s.get_stats().policy["slo_guard_step_time_ratio"]
         assert (ratio < 0.5) if correction else (ratio == 1.0)
+
+
+def test_a_failed_step_is_not_charged_to_the_ratio_of_the_retry():
+    # Every step exactly as predicted; five steps fail (scheduled, no results) and are retried.
+    # The retry's rows waited for both (its ITL), but what the retry cost is its own time.
+    from tokenweir.core.cost_model import load_cost_model
+    model = load_cost_model(None)
+    comp = StepComposition(num_decode_seqs=8, decode_context_tokens=800, num_sampled=8)
+    seconds = model.predict(comp)
+    timing, now = StepTimeCorrection(model), 0.0
+
+    def step() -> float:
+        nonlocal now
+        timing.begin_step(now)
+        now += seconds
+        return timing.observe(StepObservation(now, comp, 8, [], 8, 0, 800, 0.1))
+
+    for _ in range(50):
+        step()
+    for _ in range(5):
+        timing.begin_step(now)  # fails: no observation
+        now += seconds
+        assert step() == pytest.approx(2 * seconds)  # the ITL its rows saw
+    assert timing.ratio == pytest.approx(1.0)

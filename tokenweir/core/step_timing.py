@@ -9,7 +9,8 @@ weighs against a decode row) stays wrong in shape.
 
 A step's period is timed from the previous step's results when decode rows waited for it (their
 inter-token latency: the scheduler's own time between the steps included), else from the
-step's own start (a step after idle time, or of first tokens only). Time enters only as
+step's own start (a step after idle time, or of first tokens only); the ratio learns from the
+step's own time when a step failed before it (its rows waited for both). Time enters only as
 arguments: `begin_step(now)` at `schedule(now)`, and the `now` of the StepObservation, when
 the step's results came back.
 """
@@ -37,10 +38,12 @@ class StepTimeCorrection:
         self.ratio = 1.0
         self._step_start = 0.0
         self._last_end: Optional[float] = None
+        self._begun = 0  # steps begun since the last results: more than one, a step failed between
 
     def begin_step(self, now: float) -> None:
         """The step being scheduled starts at `now`."""
         self._step_start = now
+        self._begun += 1
 
     def observe(self, obs: StepObservation) -> Optional[float]:
         """Takes in a step's results; returns its period if decode rows waited for it (their
@@ -48,11 +51,15 @@ class StepTimeCorrection:
         # No decode row waited (or it is the first step): timed from the step's own start.
         start = self._last_end if obs.num_itl_rows > 0 else None
         period = obs.now - (self._step_start if start is None else start)
+        # The ITL includes a failed step before this one (its rows waited for both); what this
+        # step cost, which the ratio learns from, is timed from its own start.
+        own = period if self._begun <= 1 else obs.now - self._step_start
         self._last_end = obs.now
+        self._begun = 0
         predicted = self.cost_model.predict(obs.composition)
-        if predicted > 0 and period > 0:
+        if predicted > 0 and own > 0:
             r = self.ratio
-            measured = min(MAX_STEP_FACTOR * r, max(r / MAX_STEP_FACTOR, period / predicted))
+            measured = min(MAX_STEP_FACTOR * r, max(r / MAX_STEP_FACTOR, own / predicted))
             self.ratio += CORRECTION_GAIN * (measured - r)
         return None if start is None else period
 
