@@ -426,8 +426,10 @@ def test_the_observation_has_each_prefill_chunks_attention_so_the_correction_sta
         ratios.append(c.correction)
     assert max(e.prefill_attention_pairs for e in exact) > 100 * 3000  # deep chunks ran
     for e, o in zip(exact, observed):
-        assert (o.num_prefill_tokens, o.num_prefill_seqs, o.prefill_attention_pairs, o.num_decode_seqs) == \
-            (e.num_prefill_tokens, e.num_prefill_seqs, e.prefill_attention_pairs, e.num_decode_seqs)
+        assert (o.num_prefill_tokens, o.num_prefill_seqs, o.prefill_attention_pairs, o.num_decode_seqs,
+                o.decode_context_tokens) == \
+            (e.num_prefill_tokens, e.num_prefill_seqs, e.prefill_attention_pairs, e.num_decode_seqs,
+             e.decode_context_tokens)
     assert max(abs(r - 1) for r in ratios) < 0.02
 
 

@@ -71,13 +71,20 @@ def observe_step(out: SchedulerOutput, updates: Sequence[RequestUpdate], running
         n = scheduled[rid]
         prefill_tokens += n
         pairs += n * c + n * (n + 1) // 2
-    prefill_seqs = len(out.prefill_num_computed_tokens)
+    prefill = out.prefill_num_computed_tokens
+    prefill_seqs = len(prefill)
+    # K/V read by the decode rows: each decode row's context, its computed tokens after the step
+    # (every decode row samples, so each has an update; finished ones included). Partial
+    # prefills and running requests not scheduled read none of it.
+    decode_context = (sum(u.request.num_computed_tokens for u in updates if u.request.request_id not in prefill)
+                      if prefill else sum(u.request.num_computed_tokens for u in updates))
     comp = StepComposition(num_prefill_tokens=prefill_tokens, num_prefill_seqs=prefill_seqs,
-                           num_decode_seqs=len(scheduled) - prefill_seqs,
-                           decode_context_tokens=sum(r.num_computed_tokens for r in running),
+                           num_decode_seqs=len(scheduled) - prefill_seqs, decode_context_tokens=decode_context,
                            prefill_attention_pairs=pairs, num_sampled=len(updates))
-    return StepObservation(now, comp, num_itl, ttfts, len(running), num_waiting,
-                           comp.decode_context_tokens, kv_cache_usage)
+    # Steady decode (every running request decoded, none finished): the same requests, no second pass.
+    steady = not prefill and len(updates) == len(running) == len(scheduled)
+    running_context = decode_context if steady else sum(r.num_computed_tokens for r in running)
+    return StepObservation(now, comp, num_itl, ttfts, len(running), num_waiting, running_context, kv_cache_usage)
 
 
 class BatchController(ABC):
