@@ -43,9 +43,8 @@ class StepObservation:
     """What one step did, as the scheduler saw it when the step's results came back at `now`."""
 
     now: float
-    # The step's composition: its prefill chunks exactly (tokens, rows, causal query-key pairs,
-    # from the scheduler's record of each chunk); decode rows from counts (the running
-    # requests' context stands for theirs).
+    # The step's composition, exact: its prefill chunks from the scheduler's record of each
+    # (tokens, rows, causal query-key pairs), its decode rows with their own context.
     composition: StepComposition
     num_itl_rows: int  # requests that received a token after their first: each waited one ITL
     ttfts: Sequence[float]  # seconds from arrival, of the requests whose first token came now
@@ -65,19 +64,17 @@ def observe_step(out: SchedulerOutput, updates: Sequence[RequestUpdate], running
     # Pairs of each prefill chunk: n tokens after c computed ones read n*c + n*(n+1)/2 (a
     # chunk deep in a long prompt costs far more than one at its start). Only the prefill
     # chunks are visited, so a step of decode rows pays nothing for it.
-    scheduled = out.num_scheduled_tokens
+    scheduled, prefill = out.num_scheduled_tokens, out.prefill_num_computed_tokens
     prefill_tokens = pairs = 0
-    for rid, c in out.prefill_num_computed_tokens.items():
+    for rid, c in prefill.items():
         n = scheduled[rid]
         prefill_tokens += n
         pairs += n * c + n * (n + 1) // 2
-    prefill = out.prefill_num_computed_tokens
     prefill_seqs = len(prefill)
     # K/V read by the decode rows: each decode row's context, its computed tokens after the step
     # (every decode row samples, so each has an update; finished ones included). Partial
     # prefills and running requests not scheduled read none of it.
-    decode_context = (sum(u.request.num_computed_tokens for u in updates if u.request.request_id not in prefill)
-                      if prefill else sum(u.request.num_computed_tokens for u in updates))
+    decode_context = sum(u.request.num_computed_tokens for u in updates if u.request.request_id not in prefill)
     comp = StepComposition(num_prefill_tokens=prefill_tokens, num_prefill_seqs=prefill_seqs,
                            num_decode_seqs=len(scheduled) - prefill_seqs, decode_context_tokens=decode_context,
                            prefill_attention_pairs=pairs, num_sampled=len(updates))
