@@ -122,8 +122,10 @@ class VirtualTokenCounters:
         """What a newly backlogged tenant is lifted to: the smallest backlogged counter, or with
         nobody backlogged the counter of the tenant chosen last."""
         low = self.min_backlogged_counter()
-        if low is not None:
-            return low
+        return low if low is not None else self._last_chosen_value()
+
+    def _last_chosen_value(self) -> float:
+        """The last chosen tenant's counter, remembered across the pruning of its entry."""
         if self._last_chosen in self.counters:
             self._last_chosen_counter = self.counters[self._last_chosen]
         return self._last_chosen_counter
@@ -159,8 +161,7 @@ class VirtualTokenCounters:
         loses nothing (it would be lifted to the floor on return); one above it restarts at the
         floor, gaining at most its lead, and only past PRUNE_SLACK idle tenants. A pruned tenant
         still running is charged from the floor on (see `charge`)."""
-        if self._last_chosen in self.counters:
-            self._last_chosen_counter = self.counters[self._last_chosen]
+        self._last_chosen_value()  # remembered before its entry may go
         idle = sorted((t for t in self.counters if t not in self._backlog), key=self.counters.__getitem__)
         for tenant in idle[:max(0, len(idle) - PRUNE_SLACK // 2)]:
             del self.counters[tenant]
