@@ -88,6 +88,17 @@ def test_a_victim_whose_blocks_are_shared_frees_only_what_it_alone_holds(make_sc
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
 
 
+def _top_and_low_decoding(s, runner, prompt_len: int, max_tokens: int):
+    """"top" (priority 0) and "low" (priority 9) admitted and run until both decode."""
+    top = make_request("top", prompt_len, max_tokens=max_tokens, priority=0)
+    low = make_request("low", prompt_len, max_tokens=max_tokens, priority=9)
+    s.add_request(top)
+    s.add_request(low)
+    while top.num_output_tokens == 0 or low.num_output_tokens == 0:
+        step(s, runner)
+    return top, low
+
+
 def test_a_chunked_prompt_preempts_only_for_room_for_the_whole_prompt(make_scheduler):
     # 8 blocks of 4, prefill chunks of 2 tokens: "top" and "low" hold 4 blocks each and decode
     # their last token inside them. "mid"'s first chunk (1 block) would fit once "low" is gone,
@@ -96,12 +107,7 @@ def test_a_chunked_prompt_preempts_only_for_room_for_the_whole_prompt(make_sched
     s = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=64, long_prefill_token_threshold=2,
                        enable_prefix_caching=False)
     runner = PagedFakeRunner(s.block_size)
-    top = make_request("top", 15, max_tokens=2, priority=0)
-    low = make_request("low", 15, max_tokens=2, priority=9)
-    s.add_request(top)
-    s.add_request(low)
-    while top.num_output_tokens == 0 or low.num_output_tokens == 0:
-        step(s, runner)
+    top, low = _top_and_low_decoding(s, runner, 15, 2)
     mid = make_request("mid", 18, max_tokens=1, priority=5)
     s.add_request(mid)
     out = step(s, runner)
@@ -114,19 +120,13 @@ def test_a_chunked_prompt_preempts_only_for_room_for_the_whole_prompt(make_sched
 
 def test_a_victim_is_not_readmitted_in_the_step_that_preempted_it(make_scheduler):
     # 8 blocks of 4, budget 16: "top" and "low" hold 4 blocks each (their tokens up to the
-    # 16th fit in them), none is free. "high"
-    # preempts "low" for its 2 blocks; 2 blocks and 8 tokens of budget are left, enough for a
+    # 16th fit in them), none is free. "high" preempts "low" for its 2 blocks; 2 blocks and 8 tokens of budget are left, enough for a
     # first chunk of "low", back at the queue's front. Taking it in would spend the room just
     # made on the request preempted to make it.
-    s = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=16, watermark=0.0, preemption_mode="recompute",
-                       enable_prefix_caching=False)
+    s = make_scheduler(policy="priority", num_blocks=8, max_num_batched_tokens=16, watermark=0.0,
+                       preemption_mode="recompute", enable_prefix_caching=False)
     runner = PagedFakeRunner(s.block_size)
-    top = make_request("top", 14, max_tokens=3, priority=0)
-    low = make_request("low", 14, max_tokens=3, priority=9)
-    s.add_request(top)
-    s.add_request(low)
-    while top.num_output_tokens == 0 or low.num_output_tokens == 0:
-        step(s, runner)
+    top, low = _top_and_low_decoding(s, runner, 14, 3)
     high = make_request("high", 7, max_tokens=1, priority=0)
     s.add_request(high)
     out = step(s, runner)
