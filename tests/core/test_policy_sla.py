@@ -171,7 +171,7 @@ def test_the_queue_pops_exactly_the_best_entry_as_time_passes(seed):
         for _ in range(rng.randint(0, 3)):
             if not len(queue):
                 break
-            entries = [e for tenants in queue._classes for heaps in tenants.values() for e in heaps.entries()]
+            entries = [e for tenants in queue._classes for heaps in tenants.values() for e in heaps.entries.values()]
 
             def score(e):
                 return (e.key + queue.urgency_scale * urgency(now, e.due, cfg.time_window)
@@ -399,7 +399,7 @@ def test_a_late_backlog_is_popped_exactly_and_each_pop_scores_few_entries(monkey
     while now < 52.0:
         policy.begin_step(now, queue, [])
         for _ in range(2):
-            entries = [e for tenants in queue._classes for heaps in tenants.values() for e in heaps.entries()]
+            entries = [e for tenants in queue._classes for heaps in tenants.values() for e in heaps.entries.values()]
             best = max(entries, key=lambda e: (e.key + queue.urgency_scale * urgency(now, e.due, cfg.time_window), -e.seq))
             expected = best.request
             assert queue.pop() is expected

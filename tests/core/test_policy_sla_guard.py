@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, reference_stream
-from tokenweir.core.cost_model import FEATURES, StepCostModel, step_composition
+from tokenweir.core.cost_model import FEATURES, StepCostModel, StepTally, chunk_composition, step_composition
 from tokenweir.core.policies import SLAConfig, SLAPolicy
 from tokenweir.core.policies.sla_guard import SLOGuard
 from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
@@ -42,9 +42,12 @@ def _decoding(rid: str, first_token_at: float, num_outputs: int, max_tokens: int
 def _admits(guard: SLOGuard, request: Request) -> bool:
     """The guard's verdict as the scheduler asks it when no cap or cache hit shortens a chunk:
     each running request computes all it has left, the candidate all its prompt."""
-    step_tokens = {r.request_id: r.num_tokens - r.num_computed_tokens for r in guard._running}
+    step = StepTally()
+    for r in guard._running:
+        step.add(chunk_composition(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens, r.num_tokens,
+                                   r.num_prompt_tokens))
     return guard.admits(request, request.num_tokens - request.num_computed_tokens, request.num_computed_tokens,
-                        step_tokens)
+                        step)
 
 
 def _guard(now: float, running: list[Request]) -> SLOGuard:
@@ -107,7 +110,8 @@ def test_the_policy_holds_back_what_the_guard_refuses_and_an_aged_request_passes
     inter.status = RequestStatus.RUNNING
     policy.begin_step(0.0, policy.make_waiting_queue(), [inter])
     batch = _req("b", 30, 4, priority=1)
-    step = {"i": 20}
+    step = StepTally()
+    step.add(chunk_composition(20, 0, 20, 20))  # i's prompt
     assert not policy.may_admit(batch, 30, 0, step, 0.0)  # its prefill would make i miss its TTFT
     assert policy.may_admit(batch, 30, 0, step, 10.0)  # it has waited max_wait: the wait bound wins
     assert SLAPolicy(SLAConfig(protect_slos=False)).may_admit(batch, 30, 0, step, 0.0)

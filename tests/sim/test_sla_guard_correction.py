@@ -5,7 +5,7 @@ same admit/refuse decisions; without it they do not."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -13,7 +13,7 @@ import pytest
 from tests.core.helpers import assert_no_leaks
 from tokenweir.config import EngineArgs
 from tokenweir.core.batch_control import StepObservation
-from tokenweir.core.cost_model import StepCostModel, load_cost_model
+from tokenweir.core.cost_model import StepCostModel, StepTally, load_cost_model
 from tokenweir.core.policies import SLAConfig, SLAPolicy
 from tokenweir.core.policies.sla_guard import SLOGuard
 from tokenweir.core.queues import RequestQueue
@@ -58,11 +58,11 @@ class ShadowedSLA(SLAPolicy):
         self.num_observed += 1
 
     def may_admit(self, request: Request, num_new_tokens: int, num_computed_tokens: int,
-                  step_tokens: Mapping[str, int], now: float) -> bool:
-        verdict = super().may_admit(request, num_new_tokens, num_computed_tokens, step_tokens, now)
+                  step: StepTally, now: float) -> bool:
+        verdict = super().may_admit(request, num_new_tokens, num_computed_tokens, step, now)
         if not self._is_aged(request, now):  # else no guard is asked
             self.asked.append((self.num_observed, verdict,
-                               [g.admits(request, num_new_tokens, num_computed_tokens, step_tokens)
+                               [g.admits(request, num_new_tokens, num_computed_tokens, step)
                                 for g in self.shadows]))
         return verdict
 

@@ -72,6 +72,41 @@ def chunk_composition(num_tokens: int, num_computed: int, total_tokens: int,
                            prefill_attention_pairs=pairs, num_sampled=samples)
 
 
+@dataclass(slots=True)
+class StepTally:
+    """The composition of the step being built: the scheduler adds each request's share as it
+    schedules it and takes a victim's back, so a policy that asks before every admission what
+    the step costs so far (the SLO guard of `sla`) reads it without a pass over the step's rows.
+    Decode rows are counted by the scheduler itself (two sums on its hottest path; a decode row
+    samples, so num_sampled counts them when the composition is read)."""
+
+    num_prefill_tokens: int = 0
+    num_prefill_seqs: int = 0
+    prefill_attention_pairs: int = 0
+    num_prefill_sampled: int = 0  # prefill chunks that reach their request's end
+    num_decode_seqs: int = 0
+    decode_context_tokens: int = 0
+
+    def add(self, chunk: StepComposition, sign: int = 1) -> None:
+        """Add one request's share (chunk_composition), or take it back with sign -1."""
+        self.num_prefill_tokens += sign * chunk.num_prefill_tokens
+        self.num_prefill_seqs += sign * chunk.num_prefill_seqs
+        self.prefill_attention_pairs += sign * chunk.prefill_attention_pairs
+        self.num_decode_seqs += sign * chunk.num_decode_seqs
+        self.decode_context_tokens += sign * chunk.decode_context_tokens
+        self.num_prefill_sampled += sign * (chunk.num_sampled - chunk.num_decode_seqs)
+
+    def composition(self) -> StepComposition:
+        return StepComposition(self.num_prefill_tokens, self.num_prefill_seqs, self.num_decode_seqs,
+                               self.decode_context_tokens, self.prefill_attention_pairs,
+                               self.num_prefill_sampled + self.num_decode_seqs)
+
+    def decodes(self) -> StepComposition:
+        """The step's decode rows alone."""
+        return StepComposition(num_decode_seqs=self.num_decode_seqs, decode_context_tokens=self.decode_context_tokens,
+                               num_sampled=self.num_decode_seqs)
+
+
 def step_composition(out: SchedulerOutput, requests: Mapping[str, Request],
                      kv_bytes_per_block: int = 0) -> StepComposition:
     """The composition of a step just scheduled (before `update_from_output` advances the

@@ -21,7 +21,7 @@ from tokenweir.core.batch_control import BatchController, StepLimits, observe_st
 from tokenweir.core.batch_controllers import create_batch_controller
 from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.composition import create_admission_order
-from tokenweir.core.cost_model import StepCostModel, load_cost_model
+from tokenweir.core.cost_model import StepCostModel, StepTally, chunk_composition, load_cost_model
 from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks, KVCacheManager, PrefixCacheStats, SwapPairs
 from tokenweir.core.policies import SchedulingPolicy, StepServed, create_policy
 from tokenweir.core.prefill_limits import PartialPrefillLimits, StepPrefills
@@ -113,6 +113,7 @@ class _StepState:
     budget: int
     num_scheduled: dict[str, int] = field(default_factory=dict)
     prefill_computed: dict[str, int] = field(default_factory=dict)  # SchedulerOutput.prefill_num_computed_tokens
+    tally: StepTally = field(default_factory=StepTally)  # the composition of what is scheduled so far
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     admitted: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
@@ -371,7 +372,7 @@ class Scheduler:
             pairs = None
             if self.config.enable_chunked_prefill or num_new <= step.budget:
                 num_new = self._cap_tokens(num_new, step.budget)
-                if not self.policy.may_admit(request, num_new, request.num_computed_tokens, step.num_scheduled, now):
+                if not self.policy.may_admit(request, num_new, request.num_computed_tokens, step.tally, now):
                     step.swap_held = True
                 elif step.prefills is None or step.prefills.admits(
                         request, request.num_tokens - request.num_computed_tokens, step.budget):
@@ -400,7 +401,7 @@ class Scheduler:
         victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
         if victims is None:
             return False
-        if not self.policy.may_admit(request, num_new, num_hit, step.num_scheduled, now):
+        if not self.policy.may_admit(request, num_new, num_hit, step.tally, now):
             step.held_back = True
             return False
         for victim in victims:
@@ -494,7 +495,19 @@ class Scheduler:
         """Swap the victim out (its computed K/V to host blocks, to the swapped queue) or
         recompute it (blocks freed, back to the front of waiting), as the preemption mode
         chooses; either way its device blocks are free at once. If it was already given tokens
-        this step, hand them back to the budget."""
+        this step, hand them back to the budget (and take its share out of the step's tally,
+        before a recompute resets its computed tokens)."""
+        rid = victim.request_id
+        num_scheduled = step.num_scheduled.pop(rid, 0)
+        if num_scheduled:
+            computed = step.prefill_computed.pop(rid, None)
+            if computed is None:  # a decode row
+                step.tally.num_decode_seqs -= 1
+                step.tally.decode_context_tokens -= victim.num_computed_tokens + 1
+            else:
+                step.tally.add(chunk_composition(num_scheduled, computed, victim.num_tokens,
+                                                 victim.num_prompt_tokens), -1)
+            step.budget += num_scheduled
         self.running.remove(victim)
         kind = self.preemption.choose(victim, may_swap=not step.blocks_to_swap_in)
         if kind == "swap":
@@ -511,12 +524,10 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.num_preemptions_by_mode[kind] += 1
-        step.preempted.add(victim.request_id)
+        step.preempted.add(rid)
         if step.prefills is not None:
-            step.prefills.remove(victim.request_id)
-        step.prefill_computed.pop(victim.request_id, None)
+            step.prefills.remove(rid)
         # Its block ids and admission need no undoing: the output is built from `running`.
-        step.budget += step.num_scheduled.pop(victim.request_id, 0)
 
     def _send_back_to_wait(self, request: Request) -> None:
         """Recompute preemption: free its blocks (both tiers), to the front of waiting."""
@@ -545,10 +556,16 @@ class Scheduler:
             step.new_block_ids[request.request_id] = blocks.get_block_ids()
         # A decode row has one token left and an output already (without one, that token is
         # the prompt's last): two tests, as cheap as the one a decode paid before.
+        computed = request.num_computed_tokens
         if remaining > 1 or not request.output_token_ids:
-            step.prefill_computed[request.request_id] = request.num_computed_tokens
+            step.prefill_computed[request.request_id] = computed
+            step.tally.add(chunk_composition(num_new, computed, computed + remaining, request.num_prompt_tokens))
             if step.prefills is not None and remaining > 1:
                 step.prefills.add(request, num_new)
+        else:  # the tally's decode row, inline (StepTally): this runs for every running request
+            tally = step.tally
+            tally.num_decode_seqs += 1
+            tally.decode_context_tokens += computed + 1
 
     def _top_up(self, step: _StepState) -> None:
         """What the step has left goes to its long prefills, which the threshold capped, in
@@ -564,6 +581,9 @@ class Scheduler:
             blocks = self.kv_cache_manager.allocate_slots(request, num_scheduled + extra, apply_watermark=True)
             if blocks is None:
                 continue
+            computed, total = request.num_computed_tokens, request.num_tokens
+            step.tally.add(chunk_composition(num_scheduled, computed, total, request.num_prompt_tokens), -1)
+            step.tally.add(chunk_composition(num_scheduled + extra, computed, total, request.num_prompt_tokens))
             step.num_scheduled[request_id] = num_scheduled + extra
             step.budget -= extra
             if blocks is not EMPTY_BLOCKS:

@@ -10,11 +10,12 @@ scheduler never reads a clock, so the simulator and the engine make the same dec
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
 from tokenweir.core.batch_control import StepObservation
+from tokenweir.core.cost_model import StepTally
 from tokenweir.core.queues import RequestQueue
 from tokenweir.request import Request
 
@@ -106,12 +107,12 @@ class SchedulingPolicy(ABC):
         return False
 
     def may_admit(self, request: Request, num_new_tokens: int, num_computed_tokens: int,
-                  step_tokens: Mapping[str, int], now: float) -> bool:
+                  step: StepTally, now: float) -> bool:
         """Whether `request` (waiting or swapped out), which the scheduler could start now with a
-        chunk of `num_new_tokens` after `num_computed_tokens`, may join this step; `step_tokens`
-        are the tokens the step gives each request so far (the running list begin_step was
-        given, as the scheduler fills it). False holds it back, and ends this step's admissions
-        (for a swapped-out request: its swap-ins). By default always."""
+        chunk of `num_new_tokens` after `num_computed_tokens`, may join this step; `step` is the
+        composition of what the step schedules so far (for the running list begin_step was
+        given, as the scheduler fills it; read-only). False holds it back, and ends this step's
+        admissions (for a swapped-out request: its swap-ins). By default always."""
         return True
 
     def begin_step(self, now: float, waiting: RequestQueue, running: Sequence[Request]) -> None:

@@ -24,11 +24,11 @@ import itertools
 import logging
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Optional
 
 from tokenweir.core.batch_control import StepObservation
-from tokenweir.core.cost_model import load_cost_model
+from tokenweir.core.cost_model import StepTally, load_cost_model
 from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest, served_rows
 from tokenweir.core.policies.fair_share import VirtualTokenCounters
 from tokenweir.core.policies.sla_guard import SLOGuard
@@ -103,7 +103,7 @@ class SLAPolicy(SchedulingPolicy):
         self._admitting = None
         if self.guard is not None:
             self.guard.begin_step(now, running)
-        if len(self._statics) > 2 * len(running) + 1024:  # finished requests' entries, now and then
+        if len(self._statics) > 2 * len(running) + 1024:  # those finished unscheduled (aborted), now and then
             live = {r.request_id for r in running}
             self._statics = {rid: v for rid, v in self._statics.items() if rid in live}
         num_waiting = len(waiting)
@@ -294,10 +294,10 @@ class SLAPolicy(SchedulingPolicy):
             scores[rid] = score
 
     def may_admit(self, request: Request, num_new_tokens: int, num_computed_tokens: int,
-                  step_tokens: Mapping[str, int], now: float) -> bool:
+                  step: StepTally, now: float) -> bool:
         # The SLO guard; a request that waited max_wait passes it (the wait bound).
         return (self.guard is None or self._is_aged(request, now)
-                or self.guard.admits(request, num_new_tokens, num_computed_tokens, step_tokens))
+                or self.guard.admits(request, num_new_tokens, num_computed_tokens, step))
 
     def may_overtake(self, request: Request, ahead: Request, now: float) -> bool:
         # Never past a higher class, an earlier SLO or deadline, an aged request (the wait
@@ -329,11 +329,17 @@ class SLAPolicy(SchedulingPolicy):
 
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         n = self.config.num_priority_classes
-        served_tokens = self._served
+        served_tokens, statics = self._served, self._statics
         for request, num_computed, num_recomputed, _ in served_rows(served):
             priority = request.hints.priority
             cls = 0 if priority <= 0 else (priority if priority < n else n - 1)
             served_tokens[cls] += num_computed - num_recomputed
+            if request.finished_time is not None:
+                # Its cached statics go with it: kept until the next prune, finished requests
+                # (their token lists) would be freed a thousand at a time, and CPython's
+                # collector counts allocations against frees only while its count is above
+                # zero: freed in bulk they drive it into extra full collections.
+                statics.pop(request.request_id, None)
         if self.counters is not None:
             self.counters.charge(served)
 

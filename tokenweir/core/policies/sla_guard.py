@@ -25,22 +25,23 @@ more important). A request that has waited max_wait passes the guard (the wait b
 nothing is refused while no more important request runs, so a less important request waits at
 most until the more important ones have slack, or max_wait.
 
-The step is seen as the scheduler builds it: the running list (the scheduler's own, read
-live) with the tokens the step gives each so far, and the candidate's chunk as it would be
-admitted (after its prefix-cache hit and the budget's cap). The scheduler asks only once the
-request could be admitted (blocks, slot), so a full batch costs nothing here; the victims an
-admission would preempt still count in t1 (it errs towards refusing).
+The step is seen as the scheduler builds it: its composition so far (the scheduler's
+StepTally, kept as it schedules), the running list (the scheduler's own, read live) for the
+requests to protect, and the candidate's chunk as it would be admitted (after its prefix-cache
+hit and the budget's cap). The scheduler asks only once the request could be admitted (blocks,
+slot), so a full batch costs nothing here; the victims an admission would preempt still count
+in t1 (it errs towards refusing).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 from tokenweir.core.batch_control import StepObservation
-from tokenweir.core.cost_model import StepComposition, StepCostModel, chunk_composition
+from tokenweir.core.cost_model import StepCostModel, StepTally, chunk_composition
 from tokenweir.core.policies.sla_score import priority_class
 from tokenweir.core.step_timing import StepTimeCorrection
 from tokenweir.request import Request
@@ -49,28 +50,13 @@ logger = logging.getLogger("tokenweir.sla")
 
 
 @dataclass(slots=True)
-class _StepView:
-    counted: int = 0  # running[:counted] are in the sums below
+class _Protectable:
+    """The running requests with a TTFT or TPOT SLO, by priority class, as the step fills."""
+
+    by_class: list[list[Request]]
+    counted: int = 0  # running[:counted] are sorted in
     last: Optional[Request] = None  # running[counted - 1] when counted: a victim's removal moves it
-    # The step's composition so far (StepComposition's fields, summed as ints: this runs over
-    # every running request once per step).
-    prefill_tokens: int = 0
-    prefill_seqs: int = 0
-    decode_seqs: int = 0
-    decode_context: int = 0
-    pairs: int = 0
-    sampled: int = 0
-    # (class, request) of running requests with a TTFT or TPOT SLO
-    with_slo: list[tuple[int, Request]] = field(default_factory=list)
     min_class: int = 1 << 31  # the most important class among them
-
-    def composition(self) -> StepComposition:
-        return StepComposition(self.prefill_tokens, self.prefill_seqs, self.decode_seqs, self.decode_context,
-                               self.pairs, self.sampled)
-
-    def decodes(self) -> StepComposition:
-        return StepComposition(num_decode_seqs=self.decode_seqs, decode_context_tokens=self.decode_context,
-                               num_sampled=self.decode_seqs)
 
 
 class SLOGuard:
@@ -82,7 +68,7 @@ class SLOGuard:
         self.num_classes = num_classes
         self.now = 0.0
         self._running: Sequence[Request] = ()
-        self._view: Optional[_StepView] = None
+        self._view: Optional[_Protectable] = None
         self.num_refused = 0  # admissions held back, cumulative
         self.last_refusal: Optional[tuple[str, str, str]] = None  # (held back, protected, which SLO)
 
@@ -96,59 +82,45 @@ class SLOGuard:
         """A step's results came back: its measured period corrects the predictions."""
         self.timing.observe(observation)
 
-    def _step_view(self, step_tokens: Mapping[str, int]) -> _StepView:
-        """The step so far, updated for the requests admitted since the last call; recounted
-        when a victim left the running list (its length, or the request at the counted end,
-        changed: a one-for-one preemption keeps the length)."""
+    def _protectable(self) -> _Protectable:
+        """The running requests with an SLO, updated for the requests admitted since the last
+        call; re-sorted when a victim left the running list (its length, or the request at the
+        counted end, changed: a one-for-one preemption keeps the length)."""
         running, view = self._running, self._view
+        n = self.num_classes
         if (view is None or len(running) < view.counted
                 or (view.counted and running[view.counted - 1] is not view.last)):
-            view = self._view = _StepView()
-        num_classes = self.num_classes
-        for r in running[view.counted:]:
-            n = step_tokens.get(r.request_id, 0)
-            if n:
-                computed = r.num_computed_tokens
-                if n == 1 and computed + 1 >= r.num_tokens and computed >= r.num_prompt_tokens:
-                    view.decode_seqs += 1  # chunk_composition's decode row, without the object
-                    view.decode_context += computed + 1
-                    view.sampled += 1
-                else:
-                    chunk = chunk_composition(n, computed, r.num_tokens, r.num_prompt_tokens)
-                    view.prefill_tokens += chunk.num_prefill_tokens
-                    view.prefill_seqs += chunk.num_prefill_seqs
-                    view.pairs += chunk.prefill_attention_pairs
-                    view.sampled += chunk.num_sampled
+            view = self._view = _Protectable([[] for _ in range(n)])
+        by_class, min_class = view.by_class, view.min_class
+        for r in running[view.counted:]:  # every running request once per step: kept lean
             h = r.hints
             if h.ttft_slo is not None or h.tpot_slo is not None:
-                cls = priority_class(r.priority, num_classes)
-                view.with_slo.append((cls, r))
-                if cls < view.min_class:
-                    view.min_class = cls
+                p = h.priority  # priority_class, inlined
+                cls = 0 if p <= 0 else (p if p < n else n - 1)
+                by_class[cls].append(r)
+                if cls < min_class:
+                    min_class = cls
+        view.min_class = min_class
         view.counted = len(running)
         view.last = running[-1] if running else None
         return view
 
-    def admits(self, request: Request, num_new_tokens: int, num_computed_tokens: int,
-               step_tokens: Mapping[str, int]) -> bool:
+    def admits(self, request: Request, num_new_tokens: int, num_computed_tokens: int, step: StepTally) -> bool:
         """Whether `request`, next in the policy's order, may start in this step with a chunk of
-        `num_new_tokens` after `num_computed_tokens`; `step_tokens` are the tokens the step
-        gives each request so far."""
+        `num_new_tokens` after `num_computed_tokens`; `step` is what the step schedules so far."""
         cls = priority_class(request.priority, self.num_classes)
         if cls == 0:
             return True  # nothing is more important
-        view = self._step_view(step_tokens)
+        view = self._protectable()
         if view.min_class >= cls:
             return True
         predict, now = self.timing.predict, self.now
-        before = view.composition()
+        before = step.composition()
         t0 = predict(before)
         t1 = predict(before + chunk_composition(num_new_tokens, num_computed_tokens, request.num_tokens,
                                                 request.num_prompt_tokens))
         t_dec: Optional[float] = None
-        for c, r in view.with_slo:
-            if c >= cls:
-                continue
+        for r in (r for c in range(view.min_class, cls) for r in view.by_class[c]):
             h = r.hints
             if r.first_token_time is None:
                 if h.ttft_slo is None:
@@ -166,7 +138,7 @@ class SLOGuard:
                         continue  # behind already, and no end to catch up by
                 else:
                     if t_dec is None:
-                        t_dec = predict(view.decodes())
+                        t_dec = predict(step.decodes())
                     if now + t0 + (max_tokens - n - 1) * t_dec > r.first_token_time + h.tpot_slo * (max_tokens - 1):
                         continue  # cannot meet its TPOT SLO any more
                 return self._refuse(request, r, "TPOT")

@@ -32,20 +32,21 @@ from tokenweir.request import Request
 
 @dataclass(slots=True, eq=False)
 class _Entry:
-    # None once it leaves the queue: a dead entry stays in the heaps until they are next
-    # compacted, up to one per live one, and must not keep a finished request (its token
-    # lists) alive for the garbage collector to walk through in every full collection.
-    request: Optional[Request]
+    request: Request
     key: float  # static_key
     due: float  # due_time, inf without an SLO
     seq: int
     shifted: float = 0.0  # key + aging_rate * due (with a due time)
-    alive: bool = True
     late: bool = False  # moved from the pending heaps to the late ones
     seen: int = -1  # the walk of best() that last scored it
 
 
-_Item = tuple[float, int, _Entry]
+# (order value, entry seq): numbers only, so CPython's collector untracks the tuple after the
+# first collection it survives. Every waiting request has up to seven of them (dead ones too,
+# until compaction); holding the entry itself would keep them tracked, and every full
+# collection would walk them all (under churn that was most of what sla paid for it). The
+# entry is found by its seq among the live ones: a seq not there is a dead item.
+_Item = tuple[float, int]
 # A walk stops only with this much (relative) to spare: its bound sums the score's terms in
 # another order than the score itself, which may round the other way.
 _SLACK = 1e-9
@@ -126,43 +127,50 @@ class _ScoredHeaps:
         self.late: list[_Item] = []  # (-due, ...)
         self.late_oldest: list[_Item] = []  # (due, ...): the same entries as late
         self.late_by_key: list[_Item] = []  # (-key, ...): the same entries as late
-        self.live = 0
+        self.entries: dict[int, _Entry] = {}  # the live ones, by seq
         self._dead = 0
         self._walks = itertools.count()
 
+    @property
+    def live(self) -> int:
+        return len(self.entries)
+
     def add(self, entry: _Entry) -> None:
+        seq = entry.seq
+        self.entries[seq] = entry
         if entry.due == math.inf:
-            heapq.heappush(self.by_key, (-entry.key, entry.seq, entry))
+            heapq.heappush(self.by_key, (-entry.key, seq))
         else:
-            heapq.heappush(self.by_shifted, (-entry.shifted, entry.seq, entry))
-            heapq.heappush(self.pending, (entry.due, entry.seq, entry))
-            heapq.heappush(self.pending_by_key, (-entry.key, entry.seq, entry))
-        self.live += 1
+            heapq.heappush(self.by_shifted, (-entry.shifted, seq))
+            heapq.heappush(self.pending, (entry.due, seq))
+            heapq.heappush(self.pending_by_key, (-entry.key, seq))
 
     def kill(self, entry: _Entry) -> None:
-        entry.alive = False
-        self.live -= 1
+        entries = self.entries
+        del entries[entry.seq]
         self._dead += 1
-        if self._dead > self.live + 64:  # drop dead entries now and then
+        if self._dead > len(entries) + 64:  # drop dead items now and then
             for name in ("by_key", "by_shifted", "pending", "late", "late_oldest", "late_by_key"):
-                heap = [e for e in getattr(self, name) if e[2].alive]
+                heap = [item for item in getattr(self, name) if item[1] in entries]
                 heapq.heapify(heap)
                 setattr(self, name, heap)
-            self.pending_by_key = [e for e in self.pending_by_key if e[2].alive and not e[2].late]
+            self.pending_by_key = [item for item in self.pending_by_key
+                                   if (e := entries.get(item[1])) is not None and not e.late]
             heapq.heapify(self.pending_by_key)
             self._dead = 0
 
     def _advance(self, now: float) -> None:
-        pending = self.pending
+        pending, entries = self.pending, self.entries
         while pending and pending[0][0] <= now:
-            due, seq, entry = heapq.heappop(pending)
-            if entry.alive:
+            due, seq = heapq.heappop(pending)
+            entry = entries.get(seq)
+            if entry is not None:
                 entry.late = True  # its pending_by_key item goes when it reaches the top
-                heapq.heappush(self.late, (-due, seq, entry))
-                heapq.heappush(self.late_oldest, (due, seq, entry))
-                heapq.heappush(self.late_by_key, (-entry.key, seq, entry))
+                heapq.heappush(self.late, (-due, seq))
+                heapq.heappush(self.late_oldest, (due, seq))
+                heapq.heappush(self.late_by_key, (-entry.key, seq))
         by_key = self.pending_by_key
-        while by_key and (by_key[0][2].late or not by_key[0][2].alive):
+        while by_key and ((e := entries.get(by_key[0][1])) is None or e.late):
             heapq.heappop(by_key)
 
     def upper_bound(self, scale: float) -> float:
@@ -178,12 +186,13 @@ class _ScoredHeaps:
         """(score without the terms common to the class, entry) of the best live entry:
         key + scale * urgency(now, due), ties to the earliest put."""
         self._advance(now)
+        entries = self.entries
         best_score, best_entry = -math.inf, None
         by_key = self.by_key
-        while by_key and not by_key[0][2].alive:
+        while by_key and by_key[0][1] not in entries:
             heapq.heappop(by_key)
         if by_key:
-            best_score, best_entry = -by_key[0][0], by_key[0][2]
+            best_score, best_entry = -by_key[0][0], entries[by_key[0][1]]
         by_shifted, pending, late, late_oldest = self.by_shifted, self.pending, self.late, self.late_oldest
         pending_by_key, late_by_key = self.pending_by_key, self.late_by_key
         heaps = (by_shifted, pending, late, late_oldest, pending_by_key, late_by_key)
@@ -195,8 +204,8 @@ class _ScoredHeaps:
                 for heap, items in zip(heaps, taken):
                     while heap:
                         item = heapq.heappop(heap)
-                        e = item[2]
-                        if not e.alive:
+                        e = entries.get(item[1])
+                        if e is None:
                             continue
                         if heap is pending_by_key and e.late:
                             continue  # it is in late_by_key: dropped for good
@@ -239,10 +248,6 @@ class _ScoredHeaps:
         assert best_entry is not None
         return best_score, best_entry
 
-    def entries(self) -> Iterator[_Entry]:
-        for heap in (self.by_key, self.by_shifted):
-            yield from (item[2] for item in heap if item[2].alive)
-
 
 class SLAQueue(RequestQueue):
     """Waiting requests of `sla`. The policy sets the time-dependent terms (`now`, the urgency
@@ -256,7 +261,9 @@ class SLAQueue(RequestQueue):
         self._on_popped = on_popped
         self._classes: list[dict[Tenant, _ScoredHeaps]] = [{} for _ in range(cfg.num_priority_classes)]
         self._entries: dict[str, _Entry] = {}
-        self._by_arrival: list[tuple[float, int, _Entry]] = []  # to find who reaches max_wait
+        # (arrival time, seq, request id): to find who reaches max_wait (numbers and a string:
+        # untracked by the collector, see _Item); the entry is current if its seq matches.
+        self._by_arrival: list[tuple[float, int, str]] = []
         self._aged: deque[Request] = deque()
         self._seq = itertools.count()
         self.now = 0.0
@@ -282,7 +289,7 @@ class SLAQueue(RequestQueue):
         entry = _Entry(request, key, due, next(self._seq), key + self.cfg.aging_rate * due if due != math.inf else key)
         self._entries[request.request_id] = entry
         self._heaps(request).add(entry)
-        heapq.heappush(self._by_arrival, (request.arrival_time, entry.seq, entry))
+        heapq.heappush(self._by_arrival, (request.arrival_time, entry.seq, request.request_id))
 
     def _heaps(self, request: Request) -> _ScoredHeaps:
         tenants = self._classes[priority_class(request.priority, self.cfg.num_priority_classes)]
@@ -295,8 +302,6 @@ class SLAQueue(RequestQueue):
     def _kill(self, entry: _Entry) -> Request:
         """Take a live entry out of the queue; its request."""
         request = entry.request
-        assert request is not None, "a dead entry"
-        entry.request = None
         del self._entries[request.request_id]
         tenants = self._classes[priority_class(request.priority, self.cfg.num_priority_classes)]
         tenant = request.tenant if self.counters is not None else None
@@ -337,7 +342,7 @@ class SLAQueue(RequestQueue):
         yield from self._aged
         for tenants in self._classes:
             for heaps in tenants.values():
-                yield from (e.request for e in heaps.entries())
+                yield from (e.request for e in heaps.entries.values())
 
     # ------------------------------------------------------------ the policy's side
 
@@ -370,11 +375,13 @@ class SLAQueue(RequestQueue):
         """Move the requests that have waited max_wait to the aged FIFO, oldest first."""
         self.now = now
         horizon = now - self.cfg.max_wait
-        heap = self._by_arrival
+        heap, entries = self._by_arrival, self._entries
         while heap and heap[0][0] <= horizon:
-            _, _, entry = heapq.heappop(heap)
-            if entry.alive:
+            _, seq, request_id = heapq.heappop(heap)
+            entry = entries.get(request_id)
+            if entry is not None and entry.seq == seq:
                 self._aged.append(self._kill(entry))
-        if len(heap) > 2 * len(self._entries) + 64:
-            self._by_arrival = [item for item in heap if item[2].alive]
+        if len(heap) > 2 * len(entries) + 64:
+            self._by_arrival = [item for item in heap
+                                if (e := entries.get(item[2])) is not None and e.seq == item[1]]
             heapq.heapify(self._by_arrival)
