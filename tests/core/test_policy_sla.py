@@ -149,26 +149,36 @@ def test_the_queue_pops_in_score_order_like_a_full_rescore(requests, now, tenant
 def test_the_queue_pops_exactly_the_best_entry_as_time_passes(seed):
     """Against brute force over the queue's own terms, exactly (ties to the earliest put):
     bursts of alike requests, late backlogs, decoding ones put back, pops put back, time moving
-    by steps and jumps; strong and no aging, strong and no urgency."""
+    by steps and jumps; strong and no aging, strong and no urgency. Within a step (one walk
+    serves all its pops) requests also arrive, due already or not, and leave."""
     rng = random.Random(seed)
     cfg = SLAConfig(max_wait=1e9, aging_rate=rng.choice([0.0, 0.01, 0.5]), urgency_weight=rng.choice([0.0, 2.0, 20.0]))
     policy = SLAPolicy(cfg)
     queue = policy.make_waiting_queue()
     now, n = 0.0, 0
+
+    def arrival() -> Request:
+        nonlocal n
+        hints = SchedulingHints(priority=rng.choice([0, 1]), ttft_slo=rng.choice([None, 0.5, 2.0, 30.0]),
+                                deadline=rng.choice([None, None, 5.0]), tpot_slo=0.2)
+        r = Request(f"r{n}", [5] * rng.choice([10, 100, 300]), SamplingParams(max_tokens=rng.choice([10, 50])),
+                    arrival_time=now - rng.choice([0.0, 0.001 * n, rng.random() * 20]), eos_token_id=EOS,
+                    hints=hints)
+        if rng.random() < 0.2:
+            r.append_output_token(7, now=now - rng.random())  # due by its TPOT SLO
+        n += 1
+        return r
+
     for _ in range(40):
         now += rng.choice([0.0, 0.02, 0.3, 2.0])
         for _ in range(rng.randint(0, 8)):
-            hints = SchedulingHints(priority=rng.choice([0, 1]), ttft_slo=rng.choice([None, 0.5, 2.0, 30.0]),
-                                    deadline=rng.choice([None, None, 5.0]), tpot_slo=0.2)
-            r = Request(f"r{n}", [5] * rng.choice([10, 100, 300]), SamplingParams(max_tokens=rng.choice([10, 50])),
-                        arrival_time=now - rng.choice([0.0, 0.001 * n, rng.random() * 20]), eos_token_id=EOS,
-                        hints=hints)
-            if rng.random() < 0.2:
-                r.append_output_token(7, now=now - rng.random())  # due by its TPOT SLO
-            n += 1
-            queue.add(r)
+            queue.add(arrival())
         policy.begin_step(now, queue, [])
-        for _ in range(rng.randint(0, 3)):
+        for _ in range(rng.randint(0, 6)):
+            if rng.random() < 0.15:
+                queue.add(arrival())
+            if len(queue) and rng.random() < 0.15:
+                queue.remove(rng.choice(list(queue)))
             if not len(queue):
                 break
             entries = [e for tenants in queue._classes for heaps in tenants.values() for e in heaps.entries.values()]
