@@ -203,7 +203,8 @@ def _scheduler(controller="slo", policy="fcfs", num_blocks=400, max_num_seqs=32,
 
 def _run(s, requests, arrivals):
     """Engine steps in virtual time (each lasts what MODEL predicts); returns per step the
-    limits and the number running after scheduling."""
+    limits, the number running after scheduling, preemptions, the time, the number running
+    before scheduling and the requests the step started (new or back from preemption)."""
     runner, now, pending, trace = PagedFakeRunner(s.block_size), 0.0, sorted(zip(arrivals, requests),
                                                                              key=lambda x: x[0]), []
     while pending or s.has_unfinished_requests():
@@ -212,8 +213,10 @@ def _run(s, requests, arrivals):
         if not s.has_unfinished_requests():
             now = pending[0][0]
             continue
+        before = len(s.running)
         out = s.schedule(now)
-        trace.append((s.step_limits, len(s.running), len(out.preempted_req_ids), now))
+        trace.append((s.step_limits, len(s.running), len(out.preempted_req_ids), now, before,
+                      len(out.scheduled_new_reqs)))
         now += MODEL.predict(step_composition(out, s.requests))
         s.update_from_output(out, runner.execute(out), now)
     return trace
@@ -241,7 +244,7 @@ def test_streams_are_those_of_static_only_timing_changes_and_nothing_leaks():
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
-def test_a_shrinking_cap_holds_back_admissions_and_preempts_nothing(policy):
+def test_a_shrinking_cap_holds_back_admissions_and_preempts_only_to_displace(policy):
     # 24 requests start at once under a cap given for the start; their contexts grow and the
     # cap falls below the running count (a given minimum budget of 64, kept where its full steps
     # miss the target, makes the feedback shrink it). Then more important requests arrive.
@@ -251,16 +254,50 @@ def test_a_shrinking_cap_holds_back_admissions_and_preempts_nothing(policy):
     late = [make_request(f"late{i}", 10, max_tokens=5, priority=0) for i in range(6)]
     trace = _run(s, requests + late, [0.0] * 24 + [4.5] * 6)
     assert any(running > limits.max_num_seqs for limits, running, *_ in trace)
-    # The static cap (32) has room for the late requests, so it preempts nothing; under the
-    # lowered cap the more important ones take free configured slots instead of running ones.
-    static = _scheduler("static", policy=policy, num_blocks=2000)
-    static_trace = _run(static, [make_request(f"r{i}", 40, max_tokens=60, priority=1) for i in range(24)]
-                        + [make_request(f"late{i}", 10, max_tokens=5, priority=0) for i in range(6)],
-                        [0.0] * 24 + [4.5] * 6)
-    assert sum(preempted for _, _, preempted, _ in static_trace) == 0
-    assert sum(preempted for _, _, preempted, _ in trace) == 0
+    # The batch never grows past the step's cap, nor past the count it had when the cap was
+    # lowered below it (the configured 32 has room for everyone: the cap alone holds it).
+    assert all(running <= max(limits.max_num_seqs, before) for limits, running, _, _, before, _ in trace)
+    # It shrinks by admitting less: nothing is preempted but, under priority, for a more
+    # important request's slot, one running request per such admission (the count stays).
+    preempted = sum(p for _, _, p, *_ in trace)
+    assert all(p <= admitted for _, _, p, _, _, admitted in trace)
+    assert preempted == (len(late) if policy == "priority" else 0)
+    assert all(r.num_preemptions == 0 for r in late)
     assert all(r.num_output_tokens == 5 for r in late)
+    for r in requests + late:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
     assert_no_leaks(s)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_a_lowered_cap_holds_under_any_policy_as_a_static_cap_of_its_size(policy):
+    # The controller's cap stays at 4 (it never re-decides) under a configured 32; 4 long,
+    # unimportant requests fill it and a stream of more important ones arrives. The cap must
+    # hold exactly as a static cap of 4 does: under priority each important arrival displaces
+    # one running request (the policy's preemption, one for one), never growing the batch into
+    # the configured slots still free.
+    def run(controller, max_num_seqs):
+        s = _scheduler(controller, policy=policy, num_blocks=4000, max_num_seqs=max_num_seqs, interval=1e9,
+                       initial_num_seqs=4, initial_num_batched_tokens=256)
+        requests = ([make_request(f"low{i}", 20, max_tokens=400, priority=5) for i in range(4)]
+                    + [make_request(f"hi{i}", 20, max_tokens=100, priority=0, arrival_time=0.5 * (i + 1))
+                       for i in range(8)])
+        trace = _run(s, requests, [r.arrival_time for r in requests])
+        assert_no_leaks(s)
+        return s, requests, trace
+
+    s, requests, trace = run("slo", 32)
+    assert {limits for limits, *_ in trace} == {StepLimits(256, 4)}
+    assert max(running for _, running, *_ in trace) == 4
+    static, static_requests, static_trace = run("static", 4)
+    assert [(running, p) for _, running, p, *_ in trace] == [(running, p) for _, running, p, *_ in static_trace]
+    assert [r.first_scheduled_time for r in requests] == [r.first_scheduled_time for r in static_requests]
+    if policy == "priority":  # an important arrival at the full cap gets in at once, by displacing one
+        steps = [now for *_, now, _, _ in trace]
+        assert all(r.first_scheduled_time == min(t for t in steps if t >= r.arrival_time) for r in requests[4:8])
+        assert s.num_preemptions == 4  # the 4 unimportant ones, once each; then the cap is full of peers
+    else:
+        assert s.num_preemptions == 0
 
 
 def _ttft_run(ttft, waiting):

@@ -24,8 +24,10 @@ The cap grows by at most `GROWTH` per interval over the most requests that actua
 cap far above the running count (light load) would let a load step fill the batch at once,
 past the target, and it can then only shrink as fast as requests finish.
 
-It shrinks by admitting less: the scheduler treats a lower cap as holding back admissions, and
-the budget never drops below what the running requests need for one token each. It does not
+It shrinks by admitting less: the scheduler treats a lower cap as holding back admissions
+(under a preempting policy a more important request may still displace one running request at
+the full cap, as at a static cap of that size: the count stays), and the budget never drops
+below what the running requests need for one token each. It does not
 raise the cap while the KV cache's free share is down to the watermark (admissions could not
 use it). With `target_ttft_ms`, a TTFT p99 over it moves step time from decode rows to prefill
 (a larger reserve, so a smaller cap), but only when no request waited for admission behind a
