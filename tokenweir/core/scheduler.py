@@ -431,9 +431,10 @@ class Scheduler:
         # The step's cap holds whatever the policy, a cap an adaptive batch controller lowered
         # as much as the configured one: at a full cap a request may only displace one running
         # request for its slot (one for one, as at a static cap: the policy's preemption, which
-        # neither grows the batch nor shrinks it). A cap lowered below the running count is
-        # full too, and an admission still displaces one, never more: the batch shrinks to the
-        # cap only as requests finish (by admitting less, never by preempting).
+        # neither grows the batch nor shrinks it; more victims only if its blocks need them). A
+        # cap lowered below the running count is full too, and an admission still needs one
+        # victim for its slot, never more: the batch shrinks to the cap only as requests finish
+        # (by admitting less, never by preempting).
         needs_slot = len(self.running) >= step.limits.max_num_seqs
         slots = max(step.limits.max_num_seqs, len(self.running))
         if not needs_slot:
