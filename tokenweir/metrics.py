@@ -310,6 +310,10 @@ class StatsLogger:
                          stats.batch_limits.max_num_seqs]
                 if stats.batch_control.get("min_budget_over_target"):  # slo: the target cannot be met
                     line += " (min budget over the target)"
+                knee = stats.batch_control.get("broken_num_seqs")
+                if knee is not None:  # slo: the cap is held under a batch size that broke the target
+                    line += " (knee at %d seqs)"
+                    args.append(knee)
             logger.info(line, *args)
         self._logged_idle = idle
         self._window = _Window(now)

@@ -47,3 +47,14 @@ def test_the_log_line_says_when_the_minimum_budget_cannot_meet_the_target(caplog
     over_line, fine_line = caplog.messages
     assert over_line.endswith(", Batch limits (slo): 384 tokens, 24 seqs (min budget over the target)")
     assert fine_line.endswith(", Batch limits (slo): 384 tokens, 24 seqs")
+
+
+def test_the_log_line_says_when_the_cap_is_held_under_a_knee(caplog):
+    with caplog.at_level(logging.INFO, logger="tokenweir"):
+        for knee in (9, None):
+            log = StatsLogger(interval_s=1.0, now=0.0)
+            log.add_tokens(10, 10)
+            log.maybe_log(_stats("slo", {"min_budget_over_target": False, "broken_num_seqs": knee}), now=2.0)
+    held_line, free_line = caplog.messages
+    assert held_line.endswith(", Batch limits (slo): 384 tokens, 24 seqs (knee at 9 seqs)")
+    assert free_line.endswith(", Batch limits (slo): 384 tokens, 24 seqs")

@@ -100,7 +100,9 @@ class BatchController(ABC):
     @abstractmethod
     def get_limits(self, now: float) -> StepLimits:
         """The limits of the step being scheduled; never above the configured maxima. A lower
-        sequence cap only holds back admissions: running requests are never preempted for it."""
+        sequence cap holds back admissions: running requests are never preempted to bring the
+        batch down to it. It holds as the configured cap does: at a full cap a preempting
+        policy may let a request displace one running request for its slot, never more."""
 
     def on_step(self, observation: StepObservation) -> None:
         """A step's results came back (not called for a failed step). The scheduler builds the

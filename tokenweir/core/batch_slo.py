@@ -20,12 +20,31 @@ step is as long as the target allows (the per-step cost is paid once for more ro
   feedback moves, the p99 is taken only over the steps since (an old tail must not shrink it
   twice), and it grows again only once those steps span a whole window.
 
+The p99 vouches for growth only as far as the steps it measured reach: growth also asks the p99
+of measured over predicted periods, times the period aimed at (what steps filling it would take
+at the measured tail). Steps smaller than the limits (a cap full of decode rows, no prompt chunk
+among them) measure short, and an aim grown on them alone overshoots as soon as admissions bring
+chunks into steps full of rows: the prefill reserve is kept for them.
+
+A knee the cost model's shape lacks (steps of more than some number of sequences costing far
+more than predicted) would make the limits cycle: the one correction ratio learns it from the
+steps past the knee and shrinks every prediction, under the knee it falls back, and the cap
+crosses the knee again. When, among the steps the p99 covers, every step of the smallest batch
+that broke the target or a larger one took at least `KNEE_STEP` more over the model's own
+prediction than every smaller one did, the controller remembers that batch (`broken_num_seqs`, in its stats) and holds the
+cap under it instead of shrinking the aim. It probes one sequence more after `PROBE_WINDOWS`
+windows; a probe that breaks the target again, or whose batches serve fewer rows per second than
+the held cap's (a knee within the target that costs more than its rows bring), doubles the wait
+(up to `MAX_PROBE_WINDOWS`); one that does neither for a window forgets the knee.
+
 The cap grows by at most `GROWTH` per interval over the most requests that actually ran: a
 cap far above the running count (light load) would let a load step fill the batch at once,
 past the target, and it can then only shrink as fast as requests finish.
 
-It shrinks by admitting less: the scheduler treats a lower cap as holding back admissions, and
-the budget never drops below what the running requests need for one token each. It does not
+It shrinks by admitting less: the scheduler treats a lower cap as holding back admissions
+(under a preempting policy a more important request may still displace one running request at
+the full cap, as at a static cap of that size: the count stays), and the budget never drops
+below what the running requests need for one token each. It does not
 raise the cap while the KV cache's free share is down to the watermark (admissions could not
 use it). With `target_ttft_ms`, a TTFT p99 over it moves step time from decode rows to prefill
 (a larger reserve, so a smaller cap), but only when no request waited for admission behind a
@@ -78,6 +97,15 @@ BIAS_RANGE = (0.1, 4.0)
 # Steps measured since a shrink before the p99 over them may shrink again (a p99 of a handful
 # of steps is their maximum: one noisy step would decide).
 MIN_STEPS = 20
+# A cap held under the batch at which the tail broke (see _adjust) is probed again, one seq
+# more, after this many windows under the target; every probe that breaks it again doubles the
+# wait, up to MAX_PROBE_WINDOWS (a knee that went away is found within that many windows, and
+# the probes of one that stays cost ever fewer of the steps: the p99 converges under the target).
+PROBE_WINDOWS = 4
+MAX_PROBE_WINDOWS = 64
+# A knee: the steps past it take at least this share more over the model's prediction than any
+# step under it (steps the model predicts alike measure alike but for rounding and noise).
+KNEE_STEP = 0.1
 # Share of the target left to prefill chunks when the sequence cap is full of decode rows;
 # with a TTFT target it moves by RESERVE_STEP per interval up to MAX_RESERVE.
 PREFILL_RESERVE = 0.1
@@ -148,6 +176,15 @@ class SLOBatchConfig:
         return max(self.min_num_seqs, min(DEFAULT_MIN_NUM_BATCHED_TOKENS, max_num_batched_tokens))
 
 
+def _rate(steps: Iterable[tuple[float, int]]) -> float:
+    """Rows per second of steps given as (period, rows); 0 without time."""
+    periods = rows = 0.0
+    for period, n in steps:
+        periods += period
+        rows += n
+    return rows / periods if periods > 0 else 0.0
+
+
 def weighted_quantile(samples: Iterable[tuple[float, int]], q: float) -> Optional[float]:
     """The q-quantile of values each counted `weight` times; None without samples."""
     ordered = sorted(samples)
@@ -211,7 +248,8 @@ class SLOBatchController(BatchController):
         self.limits = StepLimits(config.initial_num_batched_tokens or max(self.min_num_batched_tokens,
                                                                           config.initial_num_seqs or 1),
                                  config.initial_num_seqs or config.min_num_seqs)
-        self._itl: deque[tuple[float, float, int]] = deque()  # (step end, period, rows)
+        # (step end, period, rows, the cost model's own prediction of the step, seqs in the step)
+        self._itl: deque[tuple[float, float, int, float, int]] = deque()
         self._ttft: deque[tuple[float, float]] = deque()  # (time, ttft)
         self._next_adjust: Optional[float] = None
         self._context_per_request = 0.0
@@ -223,9 +261,19 @@ class SLOBatchController(BatchController):
         # the window after it include queueing, which a larger prefill reserve would lengthen.
         self._queued_at = -math.inf
         self._moved_at = -math.inf  # when the feedback last moved the aimed-at period
+        # The smallest batch (seqs in a step) measured to break the target where fewer met it,
+        # more than the model predicted (a knee its shape lacks): the cap is held under it.
+        self.broken_num_seqs: Optional[int] = None
+        self._probe_windows = PROBE_WINDOWS
+        self._probe_at = math.inf  # when the held cap may next try one seq more
+        self._probing = False  # the cap may reach broken_num_seqs, to see whether it still breaks
+        self._probe_since = 0.0
+        # Rows per second of the held cap's steps, at the last adjustment before a probe (the
+        # probe's window may hold none of them, its batch filled by the probed size).
+        self._held_before: Optional[float] = None
 
     def get_stats(self) -> dict[str, object]:
-        return {"min_budget_over_target": self.min_budget_over_target}
+        return {"min_budget_over_target": self.min_budget_over_target, "broken_num_seqs": self.broken_num_seqs}
 
     @property
     def correction(self) -> float:
@@ -253,7 +301,9 @@ class SLOBatchController(BatchController):
     def on_step(self, obs: StepObservation) -> None:
         period = self.timing.observe(obs)  # None: no decode row waited for this step
         if period is not None:
-            self._itl.append((obs.now, period, obs.num_itl_rows))
+            comp = obs.composition
+            self._itl.append((obs.now, period, obs.num_itl_rows, self.timing.predicted,
+                              comp.num_decode_seqs + comp.num_prefill_seqs))
         for ttft in obs.ttfts:
             self._ttft.append((obs.now, ttft))
         if obs.num_running:
@@ -279,21 +329,42 @@ class SLOBatchController(BatchController):
             self._itl.popleft()
         while self._ttft and self._ttft[0][0] < horizon:
             self._ttft.popleft()
-        since = [(p, n) for t, p, n in self._itl if t > self._moved_at]
-        self.p99_itl = p99 = weighted_quantile(since, PERCENTILE) if len(since) >= MIN_STEPS else None
+        since = [step for step in self._itl if step[0] > self._moved_at]
+        enough = len(since) >= MIN_STEPS
+        self.p99_itl = p99 = weighted_quantile(((p, n) for _, p, n, _, _ in since), PERCENTILE) if enough else None
         ceiling = self.target * (1 - h / 4)
         violated = p99 is not None and p99 > ceiling
         if violated:
-            self.bias = max(BIAS_RANGE[0], self.bias * max(0.5, ceiling / p99))
-            self._moved_at = now
-        elif (p99 is not None and p99 < self.target * (1 - h) and self._held_back
-              and now - self._moved_at >= self.config.window):
-            room = self.target * (1 - h / 2) / p99
-            if self.bias < 1 and room >= MAX_GROWTH:  # climbing back to the model's own aim
-                self.bias = min(1.0, self.bias * MAX_GROWTH)
+            broken = self._broken_batch(since, ceiling)
+            if broken is not None:
+                # The tail is the larger batches' alone: holding the cap under them removes it,
+                # so the aim stays (shrinking it too would cut the batches that met the target).
+                self._hold_under(broken, now)
             else:
-                self.bias = min(BIAS_RANGE[1], self.bias * min(1 + GROWTH, room))
+                self.bias = max(BIAS_RANGE[0], self.bias * max(0.5, ceiling / p99))
             self._moved_at = now
+        else:
+            # Growth needs the p99 of the steps measured under the band, and also that of steps
+            # filling the aimed-at period: that period times the p99 of measured over (corrected)
+            # predicted periods. The measured p99 alone vouches for more than was tried: steps
+            # smaller than the limits (a cap full of decode rows, no prompt chunk in them)
+            # measure short, and an aim grown on them overshoots once chunks join the rows
+            # (every admission brings one). The scaled one alone misses steps the aim's
+            # prediction undercounts (a chunk deep in a long prompt), which the measured p99 sees.
+            tail = weighted_quantile(((p / pred, n) for _, p, n, pred, _ in since if pred > 0),
+                                     PERCENTILE) if enough else None
+            expected = None if p99 is None or tail is None else max(
+                p99, tail / self.timing.ratio * self.target * self.bias)
+            if (expected is not None and expected < self.target * (1 - h) and self._held_back
+                    and now - self._moved_at >= self.config.window):
+                room = self.target * (1 - h / 2) / expected
+                if self.bias < 1 and room >= MAX_GROWTH:  # climbing back to the model's own aim
+                    self.bias = min(1.0, self.bias * MAX_GROWTH)
+                else:
+                    self.bias = min(BIAS_RANGE[1], self.bias * min(1 + GROWTH, room))
+                self._moved_at = now
+            if self._probing and now - self._probe_since >= self.config.window:
+                self._end_probe(now)
         if self.target_ttft is not None:
             self.p99_ttft = weighted_quantile(((t, 1) for _, t in self._ttft), PERCENTILE)
             if self.p99_ttft is not None:
@@ -314,8 +385,77 @@ class SLOBatchController(BatchController):
         def settle(new: int, old: int) -> int:
             return new if abs(new - old) > h * old or (violated and new < old) else old
 
-        seqs = settle(seqs, current.max_num_seqs)
+        held = self._held_cap(seqs, now)
+        # A held cap is a boundary measured, not noise: the cap goes to it whatever the hysteresis.
+        seqs = held if held is not None and seqs >= held else settle(seqs, current.max_num_seqs)
         self.limits = StepLimits(max(settle(tokens, current.max_num_batched_tokens), seqs), seqs)
+
+    @staticmethod
+    def _broken_batch(steps: list[tuple[float, float, int, float, int]], ceiling: float) -> Optional[int]:
+        """The smallest batch (seqs) of the steps over `ceiling` if the tail is in the batch size:
+        some steps had fewer seqs, and every step of that many seqs or more took more over the
+        cost model's prediction than every one of them, by KNEE_STEP at least (a knee the
+        model's shape lacks, which the one correction ratio, learnt on the batches below it,
+        cannot predict; over the model's own prediction, not the corrected one, so that a ratio
+        still converging is not taken for a knee). None otherwise: a tail at any batch size, or
+        longer steps the model foresaw, are the aim's to shorten."""
+        over = [seqs for _, p, _, pred, seqs in steps if p > ceiling and pred > 0]
+        if not over:
+            return None
+        knee = min(over)
+        below = [p / pred for _, p, _, pred, seqs in steps if seqs < knee and pred > 0]
+        above = [p / pred for _, p, _, pred, seqs in steps if seqs >= knee and pred > 0]
+        return knee if below and min(above) > max(below) * (1 + KNEE_STEP) else None
+
+    def _end_probe(self, now: float) -> None:
+        """A window after a probe began without breaking the target: were batches of
+        broken_num_seqs worth it? They are if they served more rows per second than the largest
+        batch under them (the knee has gone, or costs less than its rows bring): the memory
+        goes and the cap grows as the model says. If they served fewer (a knee under the
+        target, but one whose steps cost more than their extra rows), the cap is held again."""
+        broken = self.broken_num_seqs
+        if broken is None:
+            return
+        large = [(p, n) for t, p, n, _, seqs in self._itl if t > self._probe_since and seqs >= broken]
+        if not large:
+            return  # no batch that large ran yet (load fell): the probe goes on
+        held = self._held_rate()
+        if held is None:
+            held = self._held_before
+        # Nothing to compare with (no smaller batch ran in the window nor before the probe): a
+        # window within the target is all the probe can show.
+        if held is None or _rate(large) > held:
+            self.broken_num_seqs, self._probing, self._probe_windows = None, False, PROBE_WINDOWS
+        else:
+            self._hold_under(broken, now)
+
+    def _held_rate(self) -> Optional[float]:
+        """Rows per second of the window's steps at the largest batch under broken_num_seqs."""
+        broken = self.broken_num_seqs
+        held = max((seqs for *_, seqs in self._itl if broken is not None and seqs < broken), default=None)
+        return None if held is None else _rate([(p, n) for _, p, n, _, seqs in self._itl if seqs == held])
+
+    def _hold_under(self, broken: int, now: float) -> None:
+        """Hold the cap under `broken` seqs, which broke the target where fewer met it. Without
+        the memory the limit cycles: the correction ratio, raised by the broken steps, shrinks
+        the cap; under the knee it falls back; the model's cap then crosses the knee again."""
+        if self._probing:  # it broke again: the knee is still there, probe it less often
+            self._probe_windows = min(MAX_PROBE_WINDOWS, 2 * self._probe_windows)
+        held = self.broken_num_seqs
+        self.broken_num_seqs = broken if held is None or self._probing else min(held, broken)
+        self._probing = False
+        self._probe_at = now + self._probe_windows * self.config.window
+
+    def _held_cap(self, seqs: int, now: float) -> Optional[int]:
+        """The cap held under the batch that broke the target (None: none is held), one seq
+        higher while a probe is on; a probe starts once due, and only if the model's cap `seqs`
+        is held back by it (otherwise the probe would test nothing)."""
+        if self.broken_num_seqs is None:
+            return None
+        held = max(self.config.min_num_seqs, self.broken_num_seqs - 1)
+        if not self._probing and now >= self._probe_at and seqs > held:
+            self._probing, self._probe_since, self._held_before = True, now, self._held_rate()
+        return min(self.max_limits.max_num_seqs, held + 1) if self._probing else held
 
     def _choose(self) -> tuple[int, int]:
         """The model's limits: (token budget, sequence cap) for the aimed-at period."""

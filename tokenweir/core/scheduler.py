@@ -429,16 +429,15 @@ class Scheduler:
         Once a request must preempt anyway, it takes what its victims free.
         """
         kv = self.kv_cache_manager
+        # The step's cap holds whatever the policy, a cap an adaptive batch controller lowered
+        # as much as the configured one: at a full cap a request may only displace one running
+        # request for its slot (one for one, as at a static cap: the policy's preemption, which
+        # neither grows the batch nor shrinks it; more victims only if its blocks need them). A
+        # cap lowered below the running count is full too, and an admission still needs one
+        # victim for its slot, never more: the batch shrinks to the cap only as requests finish
+        # (by admitting less, never by preempting).
         needs_slot = len(self.running) >= step.limits.max_num_seqs
-        # A cap lowered below the running count (an adaptive batch controller) only holds back
-        # admissions: at the configured cap a request may displace one running request for its
-        # slot, never more.
         slots = max(step.limits.max_num_seqs, len(self.running))
-        if needs_slot and len(self.running) < self.config.max_num_seqs and self._may_displace(request, now):
-            # An adaptive cap below the configured one shrinks the batch by admitting less, never
-            # by preempting: a request important enough to take a running one's slot takes a
-            # configured slot still free instead (at a static cap this case cannot arise).
-            needs_slot, slots = False, self.config.max_num_seqs
         if not needs_slot:
             if kv.can_allocate(request, num_new, computed, num_hit, apply_watermark=bool(self.running)):
                 return []
@@ -463,13 +462,6 @@ class Scheduler:
                     and kv.can_allocate(request, num_whole, computed, num_hit, freeing=victims)):
                 return victims
         return None
-
-    def _may_displace(self, request: Request, now: float) -> bool:
-        """Whether the policy would let `request` preempt the running request it would pick."""
-        if not self._policy_preempts or not self.running:
-            return False
-        victim = self.policy.select_victim(self.running, now)
-        return self.policy.may_preempt(request, victim, now) and self.admission_order.may_preempt(request, victim)
 
     def _cap_tokens(self, num_tokens: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold

@@ -39,6 +39,9 @@ class StepTimeCorrection:
         self._step_start = 0.0
         self._last_end: Optional[float] = None
         self._begun = 0  # steps begun since the last results: more than one, a step failed between
+        # The cost model's own prediction of the last observed step (no ratio): measured over it,
+        # steps of different shapes compare (a knee the model lacks shows as a higher ratio).
+        self.predicted = 0.0
 
     def begin_step(self, now: float) -> None:
         """The step being scheduled starts at `now`."""
@@ -57,6 +60,7 @@ class StepTimeCorrection:
         self._last_end = obs.now
         self._begun = 0
         predicted = self.cost_model.predict(obs.composition)
+        self.predicted = predicted
         if predicted > 0 and own > 0:
             r = self.ratio
             measured = min(MAX_STEP_FACTOR * r, max(r / MAX_STEP_FACTOR, own / predicted))
