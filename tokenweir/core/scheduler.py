@@ -284,7 +284,9 @@ class Scheduler:
         if request is None:
             raise KeyError(f"no unfinished request {request_id!r} in the scheduler (never added, or finished)")
         parts = self.policy.explain_request(request, now)
-        return None if parts is None else {"status": request.status.name, **parts}
+        if parts is not None:
+            parts["status"] = request.status.name
+        return parts
 
     def _explain_longest_waiting(self, now: float) -> dict[str, dict[str, object]]:
         # `requests` is in the order they were added (arrival order, in the engine and the
@@ -298,7 +300,8 @@ class Scheduler:
                 parts = self.policy.explain_request(request, now)
                 if parts is None:
                     break  # it ranks by no score
-                explained[request.request_id] = {"status": request.status.name, **parts}
+                parts["status"] = request.status.name
+                explained[request.request_id] = parts
                 if len(explained) == _LONGEST_WAITING:
                     break
         return explained

