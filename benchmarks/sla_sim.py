@@ -53,13 +53,13 @@ BATCH = "batch:0.7:priority=1:ttft=60000:tpot=1000"
 SHAPES = {"ttft 2 s, tpot 250 ms": ["interactive:0.3:priority=0:ttft=2000:tpot=250", BATCH],
           "tight: ttft 1 s, tpot 150 ms": ["interactive:0.3:priority=0:ttft=1000:tpot=150", BATCH]}
 TENANT_MIX = ["heavy:10:tenant=heavy", "light:1:tenant=light"]
-# The defaults before base_weight 10 and aging_rate 0.01, and before the SLO guard
-# (docs/benchmarks/sla.md says why).
+# The defaults before base_weight 10 and aging_rate 0.01, before the SLO guard and before KV
+# usage entered the load (docs/benchmarks/sla.md says why).
 POLICIES = {"fcfs": ["--scheduling-policy", "fcfs"], "priority": ["--scheduling-policy", "priority"],
             "sla": ["--scheduling-policy", "sla"],
             "sla, no SLO guard": ["--scheduling-policy", "sla", "--no-sla-protect-slos"],
             "sla (old defaults)": ["--scheduling-policy", "sla", "--sla-base-weight", "1", "--sla-aging-rate", "0.001",
-                                   "--no-sla-protect-slos"]}
+                                   "--no-sla-protect-slos", "--sla-kv-load-weight", "0"]}
 # (c): the guard's profile is the shipped one with every step time scaled by these factors
 # (x0.2: it believes the machine 5x faster than it is; x5: 5x slower), with its correction
 # on and off; at this shape and load.

@@ -258,9 +258,12 @@ class EngineArgs:
         "resource_weight", "sla: weight of log(prompt + max_tokens) / sla_resource_scale, subtracted (short first)")
     sla_resource_scale: float = _sla_field("resource_scale", "sla: divides the log of the request's tokens")
     sla_load_threshold: float = _sla_field(
-        "load_threshold", "sla: load (share of unfinished requests waiting) at which urgency weighs x1")
+        "load_threshold", "sla: load at which urgency weighs x1; load = max(share of unfinished requests "
+                          "waiting, sla_kv_load_weight x KV cache usage)")
     sla_load_sensitivity: float = _sla_field(
         "load_sensitivity", "sla: urgency's load adjustment is 1 + (load - threshold) * sensitivity")
+    sla_kv_load_weight: float = _sla_field(
+        "kv_load_weight", "sla: weight in [0, 1] of KV cache usage in the load (0: queue depth only)")
     sla_fairness_factor: float = _sla_field(
         "fairness_factor", "sla: boost per share point a priority class is served below 0.8x its demand share")
     sla_fairness_window: float = _sla_field("fairness_window", "sla: seconds over which class shares decay")

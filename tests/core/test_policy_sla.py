@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 
 from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, reference_stream, step
 from tokenweir.config import EngineArgs
+from tokenweir.core.batch_control import StepObservation
+from tokenweir.core.cost_model import StepComposition
 from tokenweir.core.policies import SLAConfig, SLAPolicy, ServedRequest, VTCConfig, priority_class
 from tokenweir.core.policies.sla_score import sigmoid, urgency
 from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
@@ -374,6 +376,9 @@ def test_engine_args_carry_every_knob_into_the_policy_config():
     ({"sla_aging_rate": math.inf}, "sla aging_rate must be a finite number"),
     ({"num_priority_classes": 0}, "sla num_priority_classes must be an integer >= 1"),
     ({"vtc_tenant_weights": "a=0", "sla_tenant_fairness": True}, "the weight of 'a' must be a number > 0"),
+    ({"sla_kv_load_weight": 1.5}, r"sla kv_load_weight must be in \[0, 1\] \(it scales the KV usage"),
+    ({"sla_kv_load_weight": -0.1}, "sla kv_load_weight must be >= 0, got -0.1"),
+    ({"sla_kv_load_weight": math.nan}, "sla kv_load_weight must be a finite number"),
 ])
 def test_bad_knobs_are_refused_when_the_engine_args_are_made(knobs, message):
     with pytest.raises(ValueError, match=message):
@@ -418,3 +423,153 @@ def test_a_late_backlog_is_popped_exactly_and_each_pop_scores_few_entries(monkey
         arrive(now)
         now += 0.07
     assert pops == 600 and len(scored) / pops <= 100
+
+
+# ------------------------------------------------------------ the load: queue depth and KV usage
+
+
+def _observed(kv_cache_usage: float) -> StepObservation:
+    """A step's observation that carries only its KV usage (nothing was computed)."""
+    return StepObservation(now=0.0, composition=StepComposition(), num_itl_rows=0, ttfts=[], num_running=0,
+                           num_waiting=0, running_context_tokens=0, kv_cache_usage=kv_cache_usage)
+
+
+def test_the_load_is_the_larger_of_the_queue_share_and_the_weighted_kv_usage():
+    policy = SLAPolicy(SLAConfig(kv_load_weight=0.8, protect_slos=False))
+    queue = policy.make_waiting_queue()
+    r = _req("r", prompt_len=10, max_tokens=10, ttft_slo=2.0)
+    queue.add(r)
+    running = [_req(f"run{i}") for i in range(3)]
+    # A long-prompt backlog: 1 of 4 unfinished requests waits, but the KV cache is 90% full.
+    policy.on_step_observed(_observed(0.9))
+    policy.begin_step(1.0, queue, running)
+    # queue share 1/4 = 0.25, KV 0.8 x 0.9 = 0.72: load 0.72 -> adjustment 1 + (0.72 - 0.5) x 1 = 1.22
+    assert (policy.queue_load, policy.kv_load, policy.load) == (0.25, pytest.approx(0.72), pytest.approx(0.72))
+    assert policy.load_adjustment == pytest.approx(1.22)
+    parts = policy.explain(r, 1.0)
+    # Due at 2.0, now 1.0, window 1: urgency 2 sigmoid(-1) = 0.5378828, x 1.22 x urgency_weight 2.
+    assert parts.urgency_term == pytest.approx(0.5378828 * 1.22 * 2.0, rel=1e-6)
+    assert policy.get_stats()["kv_load"] == pytest.approx(0.72)
+    # The KV cache drains: 0.8 x 0.2 = 0.16 < 0.25, the queue share is the load again.
+    policy.on_step_observed(_observed(0.2))
+    policy.begin_step(1.0, queue, running)
+    assert policy.load == 0.25 and policy.load_adjustment == pytest.approx(0.75)
+    # Weight 0: queue depth only, whatever the KV usage.
+    queue_only = SLAPolicy(SLAConfig(kv_load_weight=0.0, protect_slos=False))
+    q = queue_only.make_waiting_queue()
+    q.add(_req("s"))
+    queue_only.on_step_observed(_observed(1.0))
+    queue_only.begin_step(1.0, q, running)
+    assert queue_only.load == 0.25
+
+
+def test_the_scheduler_feeds_the_kv_usage_after_each_step_into_the_next_load():
+    """Two long prompts fill most of a small KV pool with nobody waiting: the load is the KV
+    usage the previous step left, not the empty queue's 0."""
+    policy = SLAPolicy()
+    s = create_scheduler(policy=policy, max_num_batched_tokens=64, max_num_seqs=2, num_blocks=16, block_size=4)
+    runner = PagedFakeRunner(s.block_size)
+    for i in range(2):
+        s.add_request(_req(f"long{i}", prompt_len=24, max_tokens=4))
+    step(s, runner, now=0.0)
+    # 24 prompt tokens each -> 6 blocks each: 12 of 16 (a sampled token's slot comes with its step).
+    assert s.kv_cache_manager.get_usage() == policy.kv_usage == 12 / 16
+    step(s, runner, now=1.0)
+    assert policy.queue_load == 0.0 and policy.load == 12 / 16
+    assert policy.load_adjustment == pytest.approx(1 + (12 / 16 - 0.5))
+    assert policy.kv_usage == 14 / 16  # the 25th token of each took a 7th block
+    while s.has_unfinished_requests():
+        step(s, runner, now=2.0)
+    assert_no_leaks(s)
+
+
+# ------------------------------------------------------------ explain_request
+
+
+def test_explain_request_gives_a_waiting_requests_hand_computed_score_parts():
+    policy = SLAPolicy()
+    s = create_scheduler(policy=policy, max_num_batched_tokens=64, max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    first = _req("first", prompt_len=8, max_tokens=4, arrival=0.0, priority=0)
+    late = _req("late", prompt_len=12, max_tokens=8, arrival=0.5, priority=1, ttft_slo=2.0)
+    s.add_request(first)
+    s.add_request(late)
+    step(s, runner, now=1.0)  # one slot: "first" runs, "late" waits
+    explained = dict(policy.explained)
+    parts = s.explain_request("late", now=1.0)
+    # At the step's begin: 2 of 2 unfinished waiting, KV empty -> load 1, adjustment 1.5; no
+    # token served yet -> no class compensation.
+    urgency = 2 / (1 + math.exp(1.5))  # due at 0.5 + 2.0 = 2.5, now 1.0, window 1
+    expected = {"status": "WAITING", "base": -10.0, "urgency": pytest.approx(urgency),
+                "load_adjustment": 1.5, "urgency_term": pytest.approx(urgency * 1.5 * 2.0),
+                "resource": pytest.approx(math.log(20) / 10), "resource_term": pytest.approx(-0.01 * math.log(20)),
+                "fairness": 0.0, "aging": pytest.approx(0.005), "priority_class": 1, "aged": False,
+                "total": pytest.approx(-10.0 + urgency * 3.0 - 0.01 * math.log(20) + 0.005)}
+    assert parts == expected
+    assert parts["total"] == pytest.approx(policy.score(late, 1.0))
+    assert policy.explained == explained  # read-only: the decisions' parts are not pushed out
+    # get_stats(now) has the longest-waiting requests' parts (not the running one's).
+    assert s.get_stats(now=1.0).longest_waiting == {"late": expected}
+    assert s.get_stats().longest_waiting == {}  # without now: none
+    running = s.explain_request("first", now=1.0)
+    assert running["status"] == "RUNNING" and running["base"] == 0.0
+    with pytest.raises(KeyError, match="no unfinished request 'nobody' in the scheduler"):
+        s.explain_request("nobody", now=1.0)
+    while s.has_unfinished_requests():
+        step(s, runner, now=2.0)
+    with pytest.raises(KeyError, match="'late'"):  # finished: no longer explained
+        s.explain_request("late", now=3.0)
+    assert_no_leaks(s)
+
+
+def test_policies_without_scores_explain_nothing():
+    s = create_scheduler(policy="fcfs", max_num_seqs=1)
+    s.add_request(_req("a"))
+    s.add_request(_req("b"))
+    runner = PagedFakeRunner(s.block_size)
+    step(s, runner, now=0.0)
+    assert s.explain_request("b", now=0.0) is None
+    assert s.get_stats(now=0.0).longest_waiting == {}
+    with pytest.raises(KeyError):
+        s.explain_request("c", now=0.0)
+    while s.has_unfinished_requests():
+        step(s, runner, now=1.0)
+    assert_no_leaks(s)
+
+
+def test_explaining_every_request_every_step_changes_no_decision_and_leaks_nothing():
+    """Two schedulers on one workload with preemption, swapping and a starving batch class;
+    one is asked, every step, for every unfinished request's parts and for its stats. Same
+    steps, same outputs, and the longest-waiting requests are the oldest ones not running."""
+    rng = random.Random(7)
+    workload = [(f"r{i}", rng.randint(2, 20), rng.randint(1, 12), 0.25 * i, rng.choice([0, 1, 1]),
+                 rng.choice([None, 0.5, 2.0])) for i in range(40)]
+
+    def make() -> tuple:
+        s = create_scheduler(policy=SLAPolicy(), max_num_batched_tokens=16, max_num_seqs=3, num_blocks=12,
+                             preemption_mode="swap", num_host_blocks=32)
+        return s, PagedFakeRunner(s.block_size)
+
+    (plain, plain_runner), (asked, asked_runner) = make(), make()
+    pending = list(workload)
+    t, seen_statuses, seen_longest = 0.0, set(), 0
+    while pending or plain.has_unfinished_requests():
+        while pending and pending[0][3] <= t:
+            rid, prompt_len, max_tokens, arrival, priority, ttft = pending.pop(0)
+            for s in (plain, asked):
+                s.add_request(_req(rid, prompt_len, max_tokens, arrival=arrival, priority=priority, ttft_slo=ttft))
+        out = step(plain, plain_runner, now=t)
+        for rid in list(asked.requests):
+            parts = asked.explain_request(rid, now=t)
+            assert parts["total"] == pytest.approx(asked.policy.score(asked.requests[rid], t))
+            seen_statuses.add(parts["status"])
+        longest = asked.get_stats(now=t).longest_waiting
+        not_running = [rid for rid, r in asked.requests.items() if r.status != RequestStatus.RUNNING]
+        assert list(longest) == not_running[:4]
+        seen_longest = max(seen_longest, len(longest))
+        assert step(asked, asked_runner, now=t).num_scheduled_tokens == out.num_scheduled_tokens
+        t += 0.25
+        assert t < 1000, "no progress"
+    assert seen_statuses == {"WAITING", "RUNNING", "PREEMPTED", "SWAPPED"} and seen_longest == 4
+    for s in (plain, asked):
+        assert_no_leaks(s)

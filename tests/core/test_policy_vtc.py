@@ -226,6 +226,7 @@ def test_swapped_requests_come_back_when_the_tenant_furthest_behind_has_none_swa
      r"vtc_input_weight, vtc_tenant_weights apply only to .* not 'sla' without it$"),
     (dict(scheduling_policy="vtc", vtc_tenant_weights="a=2,a=3"), r"tenant 'a' is given twice"),
     (dict(scheduling_policy="sla", sla_load_threshold=5.0), r"sla load_threshold must be in \[0, 1\]"),
+    (dict(scheduling_policy="fcfs", sla_kv_load_weight=0.5), r"^sla_kv_load_weight only apply to scheduling_policy 'sla'"),
 ])
 def test_vtc_and_load_knobs_that_would_do_nothing_are_refused(kwargs, message):
     from tokenweir.config import EngineArgs

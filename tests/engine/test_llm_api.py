@@ -303,6 +303,28 @@ def test_scheduling_hints_reach_the_sla_policy(make_llm, tiny_model_dir, monkeyp
         (0, "a", None, 5.0, 0.5), (1, "b", 30.0, 5.0, None), (2, None, None, 5.0, 1.0), (0, "c", None, 2.0, None)]
 
 
+def test_the_engine_explains_an_unfinished_requests_sla_score(make_llm, tiny_model_dir):
+    """EngineCore.explain_request: a request waiting for the one slot has its score parts now
+    (also in get_stats' longest-waiting ones); an unknown id raises KeyError."""
+    from tokenweir.request import SchedulingHints
+
+    llm = make_llm(tiny_model_dir("llama"), scheduling_policy="sla", max_num_seqs=1, **KV)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    engine.add_request("first", [5, 6, 7], params)
+    engine.add_request("second", [8, 9, 10], params, SchedulingHints(priority=1, ttft_slo=5.0))
+    engine.step()
+    parts = engine.explain_request("second")
+    assert (parts["status"], parts["base"], parts["priority_class"], parts["aged"]) == ("WAITING", -10.0, 1, False)
+    assert 0 < parts["urgency"] < 1 and parts["total"] < -9.0
+    assert engine.explain_request("first")["status"] == "RUNNING"
+    assert list(engine.get_stats().longest_waiting) == ["second"]
+    with pytest.raises(KeyError, match="no unfinished request 'third'"):
+        engine.explain_request("third")
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(priority=[0, "x"]), r"priority must be an integer in \[-2147483648, 2147483647\], got 'x'"),
     (dict(priority=[0, None]), r"priority must be an integer in \[.*\], got None"),

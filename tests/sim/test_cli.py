@@ -86,6 +86,8 @@ def test_bad_profile_and_bad_flags_are_one_line_errors(tmp_path, capsys) -> None
                         (["simulate", "search", "--plot-dir", "x", "--goodput", "ttft:100"],
                          "unrecognized arguments: --plot-dir"),
                         (["simulate", "--model", "x"], "are the cost profile's"),
+                        (["simulate", "--scheduling-policy", "sla", "--sla-kv-load-weight", "2"],
+                         "sla kv_load_weight must be in [0, 1]"),
                         (["simulate", "search", "--dtype", "fp32"], "are the cost profile's"),
                         (["profile", "--serving", "--serving-threads", "--output", "x.json"],
                          "--serving-threads applies to the engine grid only")):

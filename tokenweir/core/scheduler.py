@@ -30,6 +30,9 @@ from tokenweir.request import Request, RequestStatus, SamplingParams
 
 # Compared directly in the per-request loops (the property calls cost more than the loops' work).
 _RUNNING, _FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED  # every status from it on is final
+# get_stats(now) explains this many of the longest-waiting requests: few, as it is read after
+# every step (and the engine process ships it to the server's).
+_LONGEST_WAITING = 4
 
 
 @dataclass(slots=True)
@@ -103,6 +106,10 @@ class SchedulerStats:
     batch_controller: str = "static"
     batch_limits: Optional[StepLimits] = None  # of the latest step; None before the first
     batch_control: dict[str, object] = field(default_factory=dict)  # the controller's own state (get_stats)
+    # Request id -> explain_request, with `now` and a policy that scores, of the longest-waiting
+    # requests not running (waiting, preempted, swapped out), oldest first: so one starving in
+    # the queue shows before its turn comes.
+    longest_waiting: dict[str, dict[str, object]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -269,7 +276,39 @@ class Scheduler:
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.reset_prefix_cache()
 
-    def get_stats(self) -> SchedulerStats:
+    def explain_request(self, request_id: str, now: float) -> Optional[dict[str, object]]:
+        """The terms of the policy's rank of an unfinished request at `now` (sla: its score
+        parts, ScoreParts' fields) with its `status` (WAITING, RUNNING, PREEMPTED or SWAPPED);
+        None under a policy that ranks by no score. Read-only. An id that is not unfinished here
+        (never added, or finished) raises KeyError: None already means "no score"."""
+        request = self.requests.get(request_id)
+        if request is None:
+            raise KeyError(f"no unfinished request {request_id!r} in the scheduler (never added, or finished)")
+        parts = self.policy.explain_request(request, now)
+        if parts is not None:
+            parts["status"] = request.status.name
+        return parts
+
+    def _explain_longest_waiting(self, now: float) -> dict[str, dict[str, object]]:
+        # `requests` is in the order they were added (arrival order, in the engine and the
+        # simulator): the first ones not running are the longest waiting. The walk passes at
+        # most the running requests older than them.
+        explained: dict[str, dict[str, object]] = {}
+        if type(self.policy).explain_request is SchedulingPolicy.explain_request:
+            return explained
+        for request in self.requests.values():
+            if request.status is not _RUNNING:
+                parts = self.policy.explain_request(request, now)
+                if parts is None:
+                    break  # it ranks by no score
+                parts["status"] = request.status.name
+                explained[request.request_id] = parts
+                if len(explained) == _LONGEST_WAITING:
+                    break
+        return explained
+
+    def get_stats(self, now: Optional[float] = None) -> SchedulerStats:
+        """With `now`, also the policy's explanation of the longest-waiting requests."""
         kv = self.kv_cache_manager
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               num_swapped=len(self.swapped), kv_cache_usage=kv.get_usage(),
@@ -281,7 +320,8 @@ class Scheduler:
                               num_blocks_swapped_in=self.num_blocks_swapped_in,
                               swap_space_usage=kv.get_host_usage(),
                               batch_controller=self.batch_controller.name, batch_limits=self.step_limits,
-                              batch_control=self.batch_controller.get_stats())
+                              batch_control=self.batch_controller.get_stats(),
+                              longest_waiting={} if now is None else self._explain_longest_waiting(now))
 
     # ------------------------------------------------------------------ one step
 

@@ -312,7 +312,14 @@ class EngineCore:
         return {rid: e for rid, e in errors.items() if self.states.pop(rid, None) is not None}
 
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.get_stats()
+        # Now, for the policy's explanation of the longest-waiting requests (SchedulerStats.longest_waiting).
+        return self.scheduler.get_stats(self.clock())
+
+    def explain_request(self, request_id: str) -> Optional[dict[str, object]]:
+        """The policy's rank terms of an unfinished request now (Scheduler.explain_request:
+        KeyError for an id not unfinished, None under a policy without scores). From the thread
+        that steps the engine."""
+        return self.scheduler.explain_request(request_id, self.clock())
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.reset_prefix_cache()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 from tokenweir.core.batch_control import StepObservation
 from tokenweir.core.cost_model import StepTally
@@ -132,6 +132,13 @@ class SchedulingPolicy(ABC):
         """Called once per step before anything is scheduled: requests (waiting or running) the
         policy gives up on, each with why; the scheduler finishes them as aborted."""
         return ()
+
+    def explain_request(self, request: Request, now: float) -> Optional[dict[str, object]]:
+        """The terms of the policy's rank of an unfinished `request` (waiting, running or swapped
+        out) at `now`, by name, as of the latest begin_step's state, in a new dict; read-only
+        (for debugging and stats: it changes no decision). None for a policy that ranks by no
+        score (default)."""
+        return None
 
     def get_stats(self) -> dict[str, object]:
         """The policy's state for SchedulerStats (kept small: it is read after every step)."""

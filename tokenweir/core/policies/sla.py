@@ -62,6 +62,12 @@ class SLAPolicy(SchedulingPolicy):
         self._served = [0.0] * n
         self._decayed_at = 0.0
         self.load = 0.0
+        self.queue_load = 0.0  # the load's two signals (see sla_score.py), for get_stats()
+        self.kv_load = 0.0
+        # KV cache usage after the latest step (on_step_observed): the blocks the requests hold
+        # as the next begin_step finds them (the step's finished requests already freed). Only
+        # an abort between steps, or a failed step (not observed), leaves it high for a step.
+        self.kv_usage = 0.0
         self.load_adjustment = 1.0
         self.fairness = [0.0] * n
         self._now = 0.0
@@ -108,7 +114,10 @@ class SLAPolicy(SchedulingPolicy):
             self._statics = {rid: v for rid, v in self._statics.items() if rid in live}
         num_waiting = len(waiting)
         total = num_waiting + len(running)
-        self.load = num_waiting / total if total else 0.0
+        self.queue_load = num_waiting / total if total else 0.0
+        self.kv_load = cfg.kv_load_weight * self.kv_usage
+        # The larger, not a blend: either signal full is overload (sla_score.py says why).
+        self.load = max(self.queue_load, self.kv_load)
         self.load_adjustment = max(0.0, 1.0 + (self.load - cfg.load_threshold) * cfg.load_sensitivity)
         self._decay(now)
         self._update_fairness()
@@ -148,17 +157,27 @@ class SLAPolicy(SchedulingPolicy):
                 + cfg.urgency_weight * self.load_adjustment * urgency(now, due_time(request), cfg.time_window)
                 + self.fairness[priority_class(request.priority, cfg.num_priority_classes)])
 
-    def explain(self, request: Request, now: float) -> ScoreParts:
-        """The score of `request` now, term by term (also kept for get_stats())."""
+    def score_parts(self, request: Request, now: float) -> ScoreParts:
+        """The score of `request` now, term by term (the load adjustment and the class
+        compensation of the latest begin_step); changes nothing."""
         cfg = self.config
-        parts = score_parts(request, now, cfg, self.load_adjustment,
-                            self.fairness[priority_class(request.priority, cfg.num_priority_classes)])
+        return score_parts(request, now, cfg, self.load_adjustment,
+                           self.fairness[priority_class(request.priority, cfg.num_priority_classes)])
+
+    def explain(self, request: Request, now: float) -> ScoreParts:
+        """score_parts, also kept for get_stats() (the latest _EXPLAINED)."""
+        parts = self.score_parts(request, now)
         explained = self.explained
         explained.pop(request.request_id, None)  # re-inserted: the newest last
         explained[request.request_id] = parts
         if len(explained) > _EXPLAINED:
             del explained[next(iter(explained))]
         return parts
+
+    def explain_request(self, request: Request, now: float) -> Optional[dict[str, object]]:
+        # Not kept among the explained: asking about a request must not push out of get_stats()
+        # the parts of the decisions actually taken.
+        return self.score_parts(request, now).as_dict()
 
     def _on_popped(self, request: Request) -> None:
         """Explain the request whose turn it is (it may still fail to fit)."""
@@ -344,6 +363,10 @@ class SLAPolicy(SchedulingPolicy):
             self.counters.charge(served)
 
     def on_step_observed(self, observation: StepObservation) -> None:
+        # The KV usage the load reads: taken from the observation the scheduler builds anyway
+        # for this hook, rather than a new argument of begin_step (every policy's and the
+        # scheduler loop's), since after the step's results it is the pool the next step starts from.
+        self.kv_usage = observation.kv_cache_usage
         if self.guard is not None and self.config.step_time_correction:
             self.guard.observe(observation)
 
@@ -366,7 +389,8 @@ class SLAPolicy(SchedulingPolicy):
 
     def get_stats(self) -> dict[str, object]:
         stats: dict[str, object] = {
-            "load": self.load, "load_adjustment": self.load_adjustment,
+            "load": self.load, "queue_load": self.queue_load, "kv_load": self.kv_load,
+            "load_adjustment": self.load_adjustment,
             "class_fairness": list(self.fairness),
             "class_served_share": _shares(self._served), "class_demand_share": _shares(self._demand),
             "scores": dict(self.explained),  # request id -> ScoreParts, the latest explained

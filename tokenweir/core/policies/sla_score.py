@@ -15,9 +15,15 @@ Higher scores are served first and preempted last:
   nothing from going first, and under overload every waiting request is late, so an urgency
   that stayed high (the seed's sigmoid, which also had its sign reversed) would put the
   hopeless ahead of those that can still make it. Aging and max_wait still bound its wait.
-- load_adjustment = max(0, 1 + (load - load_threshold) * load_sensitivity), load the share of
-  unfinished requests that wait (the queue depth the policy sees), so urgency weighs more when
-  a queue builds.
+- load_adjustment = max(0, 1 + (load - load_threshold) * load_sensitivity), so urgency weighs
+  more as the engine saturates. load = max(queue share, kv_load_weight * KV usage): the queue
+  share is the share of unfinished requests that wait (waiting / (waiting + running)), the KV
+  usage the share of KV blocks held by requests after the latest step. Either one full means
+  overload: a backlog of short prompts queues up with the KV cache half empty, one of long
+  prompts fills the KV cache (and stalls admission) with few requests waiting. The larger of
+  the two, not a blend: a blend would dilute each signal by the other's absence, reading a
+  full queue of short prompts as half loaded. With kv_load_weight <= 1 load stays a share in
+  [0, 1], so the bound on urgency below holds whatever the KV usage.
 - fairness compensation of class c = fairness_factor * (expected_c - served_c) when
   served_c < 0.8 * expected_c, else 0; served_c is the class's share of the tokens computed and
   expected_c its share of the tokens asked for, both decayed over `fairness_window` seconds.
@@ -70,8 +76,11 @@ class SLAConfig(PolicyConfig):
     time_window: float = 1.0  # seconds: the sigmoid's scale (one window from due: urgency 0.54)
     resource_weight: float = 0.1
     resource_scale: float = 10.0  # log(tokens) is divided by it (log(4096) / 10 = 0.83)
-    load_threshold: float = 0.5  # load (share of unfinished requests waiting) of adjustment 1
+    load_threshold: float = 0.5  # load (see above: queue share or weighted KV usage) of adjustment 1
     load_sensitivity: float = 1.0
+    # KV usage's weight in the load (0: queue depth only). 1: a KV cache full of requests is as
+    # loaded as an engine whose unfinished requests all wait.
+    kv_load_weight: float = 1.0
     fairness_factor: float = 1.0
     fairness_window: float = 30.0  # seconds over which class shares decay
     # Score per second waited: a request late by max_wait / 2 more than an on-time one of its
@@ -102,13 +111,18 @@ class SLAConfig(PolicyConfig):
             if f.type in ("float", float) and not is_finite_number(value):
                 raise ValueError(f"sla {f.name} must be a finite number, got {value!r}")
         for name in ("base_weight", "urgency_weight", "resource_weight", "load_sensitivity",
-                     "fairness_factor", "aging_rate", "preempt_margin", "load_threshold"):
+                     "fairness_factor", "aging_rate", "preempt_margin", "load_threshold", "kv_load_weight"):
             if getattr(self, name) < 0:
                 raise ValueError(f"sla {name} must be >= 0, got {getattr(self, name)!r}")
         if self.load_threshold > 1:
             # load is a share (at most 1): a threshold above it turns urgency off for good
-            raise ValueError(f"sla load_threshold must be in [0, 1] (load is a share of the unfinished "
-                             f"requests), got {self.load_threshold!r}")
+            raise ValueError(f"sla load_threshold must be in [0, 1] (load is a share: of the unfinished "
+                             f"requests waiting, or of the KV cache in use), got {self.load_threshold!r}")
+        if self.kv_load_weight > 1:
+            # above 1 the load would pass 1, and urgency the most the defaults weigh it against
+            # a priority level (U above)
+            raise ValueError(f"sla kv_load_weight must be in [0, 1] (it scales the KV usage, a share, into "
+                             f"the load, itself a share), got {self.kv_load_weight!r}")
         for name in ("time_window", "resource_scale", "fairness_window", "max_wait"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"sla {name} must be > 0, got {getattr(self, name)!r}")
@@ -184,7 +198,9 @@ class ScoreParts:
     aged: bool  # waited max_wait: served before all that have not
 
     def as_dict(self) -> dict[str, object]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        # Its fields are its __dict__ (no slots): copied whole, a quarter of the cost of a pass
+        # over fields() (get_stats(now) builds a few of these after every step).
+        return dict(self.__dict__)
 
 
 def score_parts(request: Request, now: float, cfg: SLAConfig, load_adjustment: float,
