@@ -43,8 +43,8 @@ class StepObservation:
     """What one step did, as the scheduler saw it when the step's results came back at `now`."""
 
     now: float
-    # The step's composition, exact: its prefill chunks from the scheduler's record of each
-    # (tokens, rows, causal query-key pairs), its decode rows with their own context.
+    # The step's composition, exact, as the scheduler tallied it (StepTally): its prefill
+    # chunks (tokens, rows, causal query-key pairs), its decode rows with their own context.
     composition: StepComposition
     num_itl_rows: int  # requests that received a token after their first: each waited one ITL
     ttfts: Sequence[float]  # seconds from arrival, of the requests whose first token came now
@@ -54,34 +54,23 @@ class StepObservation:
     kv_cache_usage: float  # 0..1
 
 
-def observe_step(out: SchedulerOutput, updates: Sequence[RequestUpdate], running: Sequence[Request],
-                 num_waiting: int, kv_cache_usage: float, now: float) -> StepObservation:
+def observe_step(out: SchedulerOutput, composition: StepComposition, updates: Sequence[RequestUpdate],
+                 running: Sequence[Request], num_waiting: int, kv_cache_usage: float, now: float) -> StepObservation:
+    """`composition`: what the step computed, as the scheduler tallied it while building the
+    step (StepTally: its prefill chunks exactly, its decode rows with their own context)."""
     # A request whose outputs are all this step's got its first token now; every other one
     # waited an ITL. (One comprehension, the list read directly: this runs every step for every
     # scheduled request, and the loop with the property call cost half again as much.)
     ttfts = [now - r.arrival_time for u in updates if len((r := u.request).output_token_ids) <= len(u.new_token_ids)]
     num_itl = len(updates) - len(ttfts)
-    # Pairs of each prefill chunk: n tokens after c computed ones read n*c + n*(n+1)/2 (a
-    # chunk deep in a long prompt costs far more than one at its start). Only the prefill
-    # chunks are visited, so a step of decode rows pays nothing for it.
-    scheduled, prefill = out.num_scheduled_tokens, out.prefill_num_computed_tokens
-    prefill_tokens = pairs = 0
-    for rid, c in prefill.items():
-        n = scheduled[rid]
-        prefill_tokens += n
-        pairs += n * c + n * (n + 1) // 2
-    prefill_seqs = len(prefill)
-    # K/V read by the decode rows: each decode row's context, its computed tokens after the step
-    # (every decode row samples, so each has an update; finished ones included). Partial
-    # prefills and running requests not scheduled read none of it.
-    decode_context = sum(u.request.num_computed_tokens for u in updates if u.request.request_id not in prefill)
-    comp = StepComposition(num_prefill_tokens=prefill_tokens, num_prefill_seqs=prefill_seqs,
-                           num_decode_seqs=len(scheduled) - prefill_seqs, decode_context_tokens=decode_context,
-                           prefill_attention_pairs=pairs, num_sampled=len(updates))
-    # Steady decode (every running request decoded, none finished): the same requests, no second pass.
-    steady = not prefill and len(updates) == len(running) == len(scheduled)
-    running_context = decode_context if steady else sum(r.num_computed_tokens for r in running)
-    return StepObservation(now, comp, num_itl, ttfts, len(running), num_waiting, running_context, kv_cache_usage)
+    # Steady decode (every running request decoded, none finished): the decode rows are the
+    # running requests, their context after the step the decode rows' context.
+    steady = (not out.prefill_num_computed_tokens and len(updates) == len(running)
+              == len(out.num_scheduled_tokens))
+    running_context = (composition.decode_context_tokens if steady
+                       else sum(r.num_computed_tokens for r in running))
+    return StepObservation(now, composition, num_itl, ttfts, len(running), num_waiting, running_context,
+                           kv_cache_usage)
 
 
 class BatchController(ABC):

@@ -140,6 +140,7 @@ class _InFlight:
     step_id: int
     requests: dict[str, Request]
     swapped_out: list[Request]  # their K/V exist only if the step's copies ran
+    tally: StepTally  # what it computes: the observation's composition when its results come back
 
 
 class Scheduler:
@@ -650,7 +651,7 @@ class Scheduler:
         finished = self.take_finished_req_ids()
         step_id = next(self._step_ids)
         self._in_flight = _InFlight(step_id, dict(zip(num_scheduled, map(self.requests.__getitem__, num_scheduled))),
-                                    step.swapped_out)
+                                    step.swapped_out, step.tally)
         # A request preempted and re-admitted within one step is in both preempted_req_ids and
         # new_reqs: runners drop preempted state before taking in new requests.
         return SchedulerOutput(
@@ -727,8 +728,8 @@ class Scheduler:
         if feedback:
             self.policy.on_step_served(served, now)
         if self._controller_observes or self._policy_observes:
-            observation = observe_step(scheduler_output, updates, self.running, len(self.waiting),
-                                       self.kv_cache_manager.get_usage(), now)
+            observation = observe_step(scheduler_output, in_flight.tally.composition(), updates, self.running,
+                                       len(self.waiting), self.kv_cache_manager.get_usage(), now)
             if self._controller_observes:
                 self.batch_controller.on_step(observation)
             if self._policy_observes:
