@@ -379,6 +379,31 @@ def test_in_the_scheduler_a_knee_holds_the_cap_under_it_and_nothing_is_preempted
     assert_no_leaks(s)
 
 
+
+def test_a_profile_that_undercounts_prefill_is_not_taken_for_a_knee():
+    # No knee: decode rows cost what the model says, prompt chunks three times its token term
+    # (a wrong profile, the correction's job). Early on every step of two or more rows carried
+    # an admission's chunk and every one-row step was a lone decode, so comparing by batch size
+    # alone "found" a knee at 2 rows and held the cap at 1 for the run (makespan 540 s against
+    # 262 s before the knee memory; static 213 s).
+    rng = random.Random(1)
+    requests = [make_request(f"r{i}", rng.randrange(5, 120), max_tokens=rng.randrange(5, 80)) for i in range(400)]
+    arrivals = sorted(rng.uniform(0, 60) for _ in range(400))
+    s = _scheduler(num_blocks=4000)
+    knees = []
+
+    def world(comp):
+        knees.append(s.batch_controller.broken_num_seqs)
+        return MODEL.predict(comp) + 2 * 0.002 * comp.num_prefill_tokens
+
+    trace = _run(s, requests, arrivals, world=world)
+    assert set(knees) == {None}
+    assert statistics.median(limits.max_num_seqs for limits, _, _, now, *_ in trace if now > 10.0) >= 6
+    assert trace[-1][3] < 300.0  # the makespan: 264 s (a held false knee: 540)
+    for r in requests:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+    assert_no_leaks(s)
+
 def _ttft_run(ttft, waiting):
     c = _controller(target_ttft_ms=1000.0)
     now = 0.0

@@ -91,7 +91,8 @@ class BatchController(ABC):
         """The limits of the step being scheduled; never above the configured maxima. A lower
         sequence cap holds back admissions: running requests are never preempted to bring the
         batch down to it. It holds as the configured cap does: at a full cap a preempting
-        policy may let a request displace one running request for its slot, never more."""
+        policy may let a request displace one running request for its slot (more only if its
+        blocks need them), never grow the batch past it."""
 
     def on_step(self, observation: StepObservation) -> None:
         """A step's results came back (not called for a failed step). The scheduler builds the

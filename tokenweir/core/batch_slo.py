@@ -29,13 +29,18 @@ chunks into steps full of rows: the prefill reserve is kept for them.
 A knee the cost model's shape lacks (steps of more than some number of sequences costing far
 more than predicted) would make the limits cycle: the one correction ratio learns it from the
 steps past the knee and shrinks every prediction, under the knee it falls back, and the cap
-crosses the knee again. When, among the steps the p99 covers, every step of the smallest batch
-that broke the target or a larger one took at least `KNEE_STEP` more over the model's own
-prediction than every smaller one did, the controller remembers that batch (`broken_num_seqs`, in its stats) and holds the
-cap under it instead of shrinking the aim. It probes one sequence more after `PROBE_WINDOWS`
-windows; a probe that breaks the target again, or whose batches serve fewer rows per second than
-the held cap's (a knee within the target that costs more than its rows bring), doubles the wait
-(up to `MAX_PROBE_WINDOWS`); one that does neither for a window forgets the knee.
+crosses the knee again. When, among the decode-only steps the p99 covers, every step of the
+smallest batch that broke the target or a larger one took at least `KNEE_STEP` more over the
+model's own prediction than every smaller one did, the controller remembers that batch
+(`broken_num_seqs`, in its stats) and holds the cap under it instead of shrinking the aim. Only
+steps of decode rows alone are compared: a step that carries a prompt chunk differs from one
+that does not by more than its batch (early on, every larger batch has an admission's chunk in
+it and every single-row step is a lone decode), so a profile that undercounts prefill would
+look like a knee at two rows and pin the cap at one. It probes one sequence more after
+`PROBE_WINDOWS` windows; a probe that breaks the target again, or whose decode-only batches serve
+fewer rows per second than the held cap's (a knee within the target that costs more than its
+rows bring), doubles the wait (up to `MAX_PROBE_WINDOWS`); one that does neither for a window
+forgets the knee.
 
 The cap grows by at most `GROWTH` per interval over the most requests that actually ran: a
 cap far above the running count (light load) would let a load step fill the batch at once,
@@ -248,7 +253,9 @@ class SLOBatchController(BatchController):
         self.limits = StepLimits(config.initial_num_batched_tokens or max(self.min_num_batched_tokens,
                                                                           config.initial_num_seqs or 1),
                                  config.initial_num_seqs or config.min_num_seqs)
-        # (step end, period, rows, the cost model's own prediction of the step, seqs in the step)
+        # (step end, period, rows, the cost model's own prediction of the step, its batch: decode
+        # rows of a step of decode rows alone, 0 for a step with a prompt chunk, which is not
+        # compared by batch size: see the knee in the module docstring)
         self._itl: deque[tuple[float, float, int, float, int]] = deque()
         self._ttft: deque[tuple[float, float]] = deque()  # (time, ttft)
         self._next_adjust: Optional[float] = None
@@ -303,7 +310,7 @@ class SLOBatchController(BatchController):
         if period is not None:
             comp = obs.composition
             self._itl.append((obs.now, period, obs.num_itl_rows, self.timing.predicted,
-                              comp.num_decode_seqs + comp.num_prefill_seqs))
+                              0 if comp.num_prefill_seqs else comp.num_decode_seqs))
         for ttft in obs.ttfts:
             self._ttft.append((obs.now, ttft))
         if obs.num_running:
@@ -392,18 +399,19 @@ class SLOBatchController(BatchController):
 
     @staticmethod
     def _broken_batch(steps: list[tuple[float, float, int, float, int]], ceiling: float) -> Optional[int]:
-        """The smallest batch (seqs) of the steps over `ceiling` if the tail is in the batch size:
-        some steps had fewer seqs, and every step of that many seqs or more took more over the
-        cost model's prediction than every one of them, by KNEE_STEP at least (a knee the
-        model's shape lacks, which the one correction ratio, learnt on the batches below it,
-        cannot predict; over the model's own prediction, not the corrected one, so that a ratio
-        still converging is not taken for a knee). None otherwise: a tail at any batch size, or
-        longer steps the model foresaw, are the aim's to shorten."""
-        over = [seqs for _, p, _, pred, seqs in steps if p > ceiling and pred > 0]
+        """The smallest batch of the decode-only steps over `ceiling` if the tail is in the
+        batch size: some decode-only steps had fewer rows, and every one of that many rows or
+        more took more over the cost model's prediction than every one of them, by KNEE_STEP at
+        least (a knee the model's shape lacks, which the one correction ratio, learnt on the
+        batches below it, cannot predict; over the model's own prediction, not the corrected
+        one, so that a ratio still converging is not taken for a knee). None otherwise: a tail
+        at any batch size, in steps with prompt chunks, or in longer steps the model foresaw,
+        is the aim's to shorten."""
+        over = [seqs for _, p, _, pred, seqs in steps if seqs and p > ceiling and pred > 0]
         if not over:
             return None
         knee = min(over)
-        below = [p / pred for _, p, _, pred, seqs in steps if seqs < knee and pred > 0]
+        below = [p / pred for _, p, _, pred, seqs in steps if 0 < seqs < knee and pred > 0]
         above = [p / pred for _, p, _, pred, seqs in steps if seqs >= knee and pred > 0]
         return knee if below and min(above) > max(below) * (1 + KNEE_STEP) else None
 
@@ -430,9 +438,10 @@ class SLOBatchController(BatchController):
             self._hold_under(broken, now)
 
     def _held_rate(self) -> Optional[float]:
-        """Rows per second of the window's steps at the largest batch under broken_num_seqs."""
+        """Rows per second of the window's decode-only steps at the largest batch under
+        broken_num_seqs (like with like: the probe's batches are counted the same way)."""
         broken = self.broken_num_seqs
-        held = max((seqs for *_, seqs in self._itl if broken is not None and seqs < broken), default=None)
+        held = max((seqs for *_, seqs in self._itl if broken is not None and 0 < seqs < broken), default=None)
         return None if held is None else _rate([(p, n) for _, p, n, _, seqs in self._itl if seqs == held])
 
     def _hold_under(self, broken: int, now: float) -> None:
