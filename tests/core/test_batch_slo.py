@@ -214,6 +214,27 @@ def test_a_tail_at_every_batch_size_is_not_taken_for_a_knee():
     assert c.bias < 0.5 and c.broken_num_seqs is None
 
 
+def test_a_slowdown_in_time_while_the_batch_grows_is_not_held_as_a_knee():
+    # Demand grows (the batch with it); for 1.5 s every step takes 1.6x its prediction whatever
+    # its size (the machine busy). The larger batches are the later steps, so the slowdown
+    # looked like a knee, and the cap was held under it for 15 s after the slowdown had gone
+    # (a real engine run: "knee at 10 seqs" for 40 s, up to 45 requests waiting). The first
+    # steps under the held cap are as slow: the knee goes at once.
+    c = _controller()
+    now, held_at = 0.0, []
+    while now < 20.0:
+        limits = c.get_limits(now)
+        demand = min(40, 2 + int(3 * now))
+        rows = min(limits.max_num_seqs, demand)
+        comp = StepComposition(num_decode_seqs=rows, decode_context_tokens=rows * 200, num_sampled=rows)
+        now += MODEL.predict(comp) * (1.6 if 4.0 <= now < 5.5 else 1.0)
+        c.on_step(_observe(now, rows, 200, waiting=demand - rows))
+        if c.broken_num_seqs is not None:
+            held_at.append(now)
+    assert held_at and max(held_at) - min(held_at) < 1.0  # it was remembered, then dropped
+    assert c.broken_num_seqs is None and c.limits.max_num_seqs >= 12
+
+
 def test_limits_stay_within_bounds_whatever_the_measurements():
     rng = random.Random(1)
     c = _controller(min_num_seqs=3, min_num_batched_tokens=40)

@@ -36,7 +36,13 @@ model's own prediction than every smaller one did, the controller remembers that
 steps of decode rows alone are compared: a step that carries a prompt chunk differs from one
 that does not by more than its batch (early on, every larger batch has an admission's chunk in
 it and every single-row step is a lone decode), so a profile that undercounts prefill would
-look like a knee at two rows and pin the cap at one. It probes one sequence more after
+look like a knee at two rows and pin the cap at one. A knee is also a claim about batch size
+against time: while a batch grows, its larger batches are its later steps, and a slowdown that
+comes then (the machine busy) looks like a knee. So a newly remembered knee must show again
+under the held cap: the median of the first `KNEE_CONFIRM_STEPS` steps since the hold (all
+under the knee) over the model's prediction must be `KNEE_STEP` under the knee's; if they are as
+slow (the slowdown was in time), the knee is forgotten at once and the aim shrinks as for any
+tail. It probes one sequence more after
 `PROBE_WINDOWS` windows; a probe that breaks the target again, or whose decode-only batches serve
 fewer rows per second than the held cap's (a knee within the target that costs more than its
 rows bring), doubles the wait (up to `MAX_PROBE_WINDOWS`); one that does neither for a window
@@ -111,6 +117,9 @@ MAX_PROBE_WINDOWS = 64
 # A knee: the steps past it take at least this share more over the model's prediction than any
 # step under it (steps the model predicts alike measure alike but for rounding and noise).
 KNEE_STEP = 0.1
+# Steps under a newly held cap that must be faster than the knee's (their median, over the
+# model's prediction, by KNEE_STEP): few, the first ones, so a slowdown in time is still on.
+KNEE_CONFIRM_STEPS = 5
 # Share of the target left to prefill chunks when the sequence cap is full of decode rows;
 # with a TTFT target it moves by RESERVE_STEP per interval up to MAX_RESERVE.
 PREFILL_RESERVE = 0.1
@@ -275,6 +284,11 @@ class SLOBatchController(BatchController):
         self._probe_at = math.inf  # when the held cap may next try one seq more
         self._probing = False  # the cap may reach broken_num_seqs, to see whether it still breaks
         self._probe_since = 0.0
+        # The smallest measured / model-predicted period of the steps that showed the knee, and
+        # when the cap began to be held under it: the held steps must be faster (see above).
+        self._knee_ratio = math.inf
+        self._held_since = -math.inf
+        self._knee_confirmed = False
         # Rows per second of the held cap's steps, at the last adjustment before a probe (the
         # probe's window may hold none of them, its batch filled by the probed size).
         self._held_before: Optional[float] = None
@@ -341,12 +355,13 @@ class SLOBatchController(BatchController):
         self.p99_itl = p99 = weighted_quantile(((p, n) for _, p, n, _, _ in since), PERCENTILE) if enough else None
         ceiling = self.target * (1 - h / 4)
         violated = p99 is not None and p99 > ceiling
+        self._confirm_knee()
         if violated:
-            broken = self._broken_batch(since, ceiling)
-            if broken is not None:
+            knee = self._broken_batch(since, ceiling)
+            if knee is not None:
                 # The tail is the larger batches' alone: holding the cap under them removes it,
                 # so the aim stays (shrinking it too would cut the batches that met the target).
-                self._hold_under(broken, now)
+                self._hold_under(*knee, now)
             else:
                 self.bias = max(BIAS_RANGE[0], self.bias * max(0.5, ceiling / p99))
             self._moved_at = now
@@ -398,8 +413,10 @@ class SLOBatchController(BatchController):
         self.limits = StepLimits(max(settle(tokens, current.max_num_batched_tokens), seqs), seqs)
 
     @staticmethod
-    def _broken_batch(steps: list[tuple[float, float, int, float, int]], ceiling: float) -> Optional[int]:
-        """The smallest batch of the decode-only steps over `ceiling` if the tail is in the
+    def _broken_batch(steps: list[tuple[float, float, int, float, int]],
+                      ceiling: float) -> Optional[tuple[int, float]]:
+        """(The smallest batch of the decode-only steps over `ceiling`, the smallest measured /
+        predicted period of the steps of that batch or larger) if the tail is in the
         batch size: some decode-only steps had fewer rows, and every one of that many rows or
         more took more over the cost model's prediction than every one of them, by KNEE_STEP at
         least (a knee the model's shape lacks, which the one correction ratio, learnt on the
@@ -413,7 +430,25 @@ class SLOBatchController(BatchController):
         knee = min(over)
         below = [p / pred for _, p, _, pred, seqs in steps if 0 < seqs < knee and pred > 0]
         above = [p / pred for _, p, _, pred, seqs in steps if seqs >= knee and pred > 0]
-        return knee if below and min(above) > max(below) * (1 + KNEE_STEP) else None
+        return (knee, min(above)) if below and min(above) > max(below) * (1 + KNEE_STEP) else None
+
+    def _confirm_knee(self) -> None:
+        """A knee just remembered stays only if the steps under the held cap are faster than its
+        own by KNEE_STEP (over the model's prediction): otherwise the larger batches were slow
+        for their time, not their size (see the module docstring)."""
+        broken = self.broken_num_seqs
+        if broken is None or self._knee_confirmed or self._probing:
+            return
+        # The first steps under the hold, right after the knee showed: a slowdown in time is
+        # still on then (later ones would tell only whether it has passed).
+        held = sorted([p / pred for t, p, _, pred, seqs in self._itl
+                       if t > self._held_since and 0 < seqs < broken and pred > 0][:KNEE_CONFIRM_STEPS])
+        if len(held) < KNEE_CONFIRM_STEPS:
+            return
+        if held[len(held) // 2] * (1 + KNEE_STEP) < self._knee_ratio:
+            self._knee_confirmed = True
+        else:
+            self.broken_num_seqs, self._probe_windows = None, PROBE_WINDOWS
 
     def _end_probe(self, now: float) -> None:
         """A window after a probe began without breaking the target: were batches of
@@ -435,7 +470,7 @@ class SLOBatchController(BatchController):
         if held is None or _rate(large) > held:
             self.broken_num_seqs, self._probing, self._probe_windows = None, False, PROBE_WINDOWS
         else:
-            self._hold_under(broken, now)
+            self._hold_under(broken, None, now)
 
     def _held_rate(self) -> Optional[float]:
         """Rows per second of the window's decode-only steps at the largest batch under
@@ -444,12 +479,18 @@ class SLOBatchController(BatchController):
         held = max((seqs for *_, seqs in self._itl if broken is not None and 0 < seqs < broken), default=None)
         return None if held is None else _rate([(p, n) for _, p, n, _, seqs in self._itl if seqs == held])
 
-    def _hold_under(self, broken: int, now: float) -> None:
-        """Hold the cap under `broken` seqs, which broke the target where fewer met it. Without
-        the memory the limit cycles: the correction ratio, raised by the broken steps, shrinks
-        the cap; under the knee it falls back; the model's cap then crosses the knee again."""
+    def _hold_under(self, broken: int, ratio: Optional[float], now: float) -> None:
+        """Hold the cap under `broken` seqs, which broke the target where fewer met it (`ratio`:
+        the smallest measured / predicted period of those steps; None: a probe showed it was
+        not worth its rows). Without the memory the limit cycles: the correction ratio, raised
+        by the broken steps, shrinks the cap; under the knee it falls back; the model's cap then
+        crosses the knee again."""
         if self._probing:  # it broke again: the knee is still there, probe it less often
             self._probe_windows = min(MAX_PROBE_WINDOWS, 2 * self._probe_windows)
+            self._knee_confirmed = True
+        elif ratio is not None and (self.broken_num_seqs is None or broken < self.broken_num_seqs):
+            # A new knee (or a smaller one): it must show again under the held cap.
+            self._knee_ratio, self._held_since, self._knee_confirmed = ratio, now, False
         held = self.broken_num_seqs
         self.broken_num_seqs = broken if held is None or self._probing else min(held, broken)
         self._probing = False
