@@ -3,7 +3,7 @@
 The Azure conversation trace (../shared/data) replayed through the simulated engine with the
 shipped CPU profile (or --profile): a sweep of static max_num_batched_tokens x max_num_seqs
 against `--batch-controller slo` at several rate scales, and one run whose rate steps up
-half-way (`rate_step_arrivals`). For each rate: the best static configuration that meets the
+half-way (`rate_step_arrivals`, `tokenweir bench serve --rate-step`). For each rate: the best static configuration that meets the
 TPOT target (p99) by request throughput, and slo. For the step: how long slo takes to settle
 (its windowed p99 ITL back under the target for good) and a plot of its limits and windowed
 p99 ITL/TPOT over time. Every number is SIMULATED.
@@ -11,12 +11,16 @@ p99 ITL/TPOT over time. Every number is SIMULATED.
     python benchmarks/batching_slo.py --target-tpot-ms 250
     python benchmarks/batching_slo.py --real --rate-scales 1.5 --num-prompts 100 --repeats 2 \\
         --statics 256/32,128/64,2048/128   # the real engine
+    python benchmarks/batching_slo.py --real --rate-scales "" --step-scales 0.4,1.5 --num-prompts 160 \\
+        --repeats 2 --statics 256/32       # the load step on the real engine
 
 `--real` confirms on `tokenweir serve` (default model) loaded by `tokenweir bench serve` with the
 same trace rows: slo against the static pairs given by `--statics` (default: the best static
 configuration of the simulated sweep at that rate, read from the JSON of a simulated run), in
 interleaved rounds, with the simulator's numbers for the same workload beside them, and records
-the slo gauges and log lines it printed.
+the slo gauges and log lines it printed. With `--step-scales` it also runs the load step
+(`bench serve --rate-step`): the windowed p99 ITL from the inter-token gaps the client saw, the
+limits from the gauges polled once a second, and the same re-settling time as simulated.
 """
 
 from __future__ import annotations
@@ -27,13 +31,15 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from tokenweir.bench.datasets import PromptBuilder, TraceRow, read_trace
+from tokenweir.bench.datasets import PromptBuilder, TraceRow, rate_step_arrivals, read_trace
 from tokenweir.bench.serve_metrics import compute_metrics, metrics_to_dict
 from tokenweir.config import EngineArgs
 from tokenweir.core.batch_slo import weighted_quantile
@@ -46,21 +52,6 @@ TRACE = ROOT.parent / "shared" / "data" / "azure_llm_2023_conv.csv"
 OUT = ROOT / "docs" / "benchmarks"
 BUDGETS = (128, 256, 512, 1024, 2048)
 CAPS = (8, 16, 32, 64, 128, 256)
-
-
-def rate_step_arrivals(arrivals: Sequence[float], at_index: int, scale_before: float,
-                       scale_after: float) -> list[float]:
-    """Trace arrival times replayed `scale_before` times as fast up to request `at_index`, and
-    `scale_after` times from there on (the gaps keep the trace's shape)."""
-    if not (scale_before > 0 and scale_after > 0) or not 0 <= at_index <= len(arrivals):
-        raise ValueError(f"rate step needs scales > 0 and an index in [0, {len(arrivals)}], "
-                         f"got {scale_before}, {scale_after}, {at_index}")
-    out, now, prev = [], 0.0, arrivals[0] if arrivals else 0.0
-    for i, t in enumerate(arrivals):
-        now += (t - prev) / (scale_before if i < at_index else scale_after)
-        prev = t
-        out.append(now)
-    return out
 
 
 def requests(rows: Sequence[TraceRow], arrivals: Sequence[float]) -> list[SimRequest]:
@@ -114,15 +105,20 @@ def windowed(series: dict, window: float, points: int = 300) -> dict[str, list]:
 
 
 def settle_time(w: dict[str, list], change_at: float, bound_ms: float) -> Optional[float]:
-    """Seconds after the change until the windowed p99 ITL stays under `bound_ms` to the end."""
-    last_bad = change_at
+    """Seconds after the change until the windowed p99 ITL stays under `bound_ms` to the end;
+    None when the last window is over it (it did not settle within the run)."""
+    last_bad, last = change_at, None
     for t, v in zip(w["t"], w["p99_itl_ms"]):
-        if t >= change_at and v is not None and v > bound_ms:
-            last_bad = t
-    return round(last_bad - change_at, 1)
+        if t >= change_at and v is not None:
+            last = v
+            if v > bound_ms:
+                last_bad = t
+    return None if last is not None and last > bound_ms else round(last_bad - change_at, 1)
 
 
-def plot(step_runs: dict[str, dict], change_at: float, target_ms: float, path: Path) -> None:
+def plot(step_runs: dict[str, dict], change_at: float, target_ms: float, path: Path,
+         title: str = "SIMULATED (shipped CPU profile): slo batch control after a load step",
+         xlabel: str = "simulated seconds (rate steps up at the dotted line)") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -144,10 +140,10 @@ def plot(step_runs: dict[str, dict], change_at: float, target_ms: float, path: P
     bottom.set_ylim(0, 3 * target_ms)
     for ax in (top, bottom):
         ax.axvline(change_at, color="grey", linestyle=":")
-    bottom.set_xlabel("simulated seconds (rate steps up at the dotted line)")
+    bottom.set_xlabel(xlabel)
     bottom.set_ylabel("ms")
     bottom.legend(fontsize=7)
-    fig.suptitle("SIMULATED (shipped CPU profile): slo batch control after a load step")
+    fig.suptitle(title)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
@@ -158,7 +154,29 @@ REAL_KEYS = ("request_throughput", "output_throughput", "p99_tpot_ms", "median_t
              "median_ttft_ms", "p99_ttft_ms", "duration", "failed")
 
 
-def serve_and_bench(engine_flags: list[str], workload: list[str], work: Path, name: str) -> dict[str, Any]:
+GAUGES = {"tokenweir:batch_max_num_batched_tokens": "budget", "tokenweir:batch_max_num_seqs": "cap",
+          "tokenweir:num_requests_running": "running", "tokenweir:num_requests_waiting": "waiting"}
+
+
+def poll_gauges(base_url: str, stop: threading.Event, out: list[dict[str, float]], period_s: float = 1.0) -> None:
+    """The controller's gauges (and the queue) once a period until `stop`: its limits over time."""
+    while not stop.wait(period_s):
+        try:
+            text = urllib.request.urlopen(f"{base_url}/metrics", timeout=5).read().decode()
+        except OSError:  # an answer slower than the timeout under load: the next poll
+            continue
+        row = {"time": time.time()}
+        for line in text.splitlines():
+            name = line.split("{", 1)[0]
+            if name in GAUGES:
+                row[GAUGES[name]] = float(line.rsplit(" ", 1)[1])
+        out.append(row)
+
+
+def serve_and_bench(engine_flags: list[str], workload: list[str], work: Path, name: str,
+                    poll: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the run's summary, `bench serve`'s whole result); with `poll` the summary has the gauges
+    once a second (`gauge_series`, times from the benchmark's first send)."""
     from tokenweir.profiling.serving import free_port, wait_healthy
 
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -167,22 +185,55 @@ def serve_and_bench(engine_flags: list[str], workload: list[str], work: Path, na
     log = (work / f"{name}.log").open("w")
     server = subprocess.Popen([*TOKENWEIR, "serve", "--port", str(port), *engine_flags], env=env,
                               stdout=log, stderr=subprocess.STDOUT)
+    gauges: list[dict[str, float]] = []
+    stop = threading.Event()
+    poller = threading.Thread(target=poll_gauges, args=(base_url, stop, gauges), daemon=True)
     try:
         wait_healthy(base_url, server)
+        if poll:
+            poller.start()
         subprocess.run([*TOKENWEIR, "bench", "serve", "--base-url", base_url, "--ignore-eos",
                         "--result-dir", str(work), "--result-filename", f"{name}.json", *workload],
                        env=env, check=True, stdout=subprocess.DEVNULL)
+        stop.set()
+        if poll:
+            poller.join()
         metrics = urllib.request.urlopen(f"{base_url}/metrics").read().decode()
     finally:
+        stop.set()
         server.terminate()
         server.wait(timeout=60)
         log.close()
     real = json.loads((work / f"{name}.json").read_text())
     out = {k: round(real[k], 4) for k in REAL_KEYS} | {"engine_flags": engine_flags}
     out["gauges"] = [line for line in metrics.splitlines() if line.startswith("tokenweir:batch_max")]
-    out["log_lines"] = [line.split("INFO", 1)[-1].strip() for line in (work / f"{name}.log").read_text().splitlines()
-                        if "Batch limits" in line][-3:]
-    return out
+    lines = [line for line in (work / f"{name}.log").read_text().splitlines() if "Batch limits" in line]
+    out["log_lines"] = [line.split("INFO", 1)[-1].strip() for line in (lines if poll else lines[-3:])]
+    if poll:
+        out["gauge_series"] = [{**g, "time": round(g["time"] - real["start_time"], 2)} for g in gauges]
+    return out, real
+
+
+def measured_series(bench: dict[str, Any], arrivals: Sequence[float], gauges: list[dict[str, float]]) -> dict:
+    """A measured run in `windowed`'s form: every inter-token gap a client saw as a step of one
+    decode row, starting where the gap starts (as a simulated step starts where its decode rows'
+    gap does), with the limits the last poll of the gauges before it showed. Times from the first
+    send; a request is sent at its arrival time (no concurrency limit)."""
+    poll_t = [g["time"] for g in gauges]
+    steps, finished, end = [], [], 0.0
+    for arrival, ttft, itls, n in zip(arrivals, bench["ttfts"], bench["itls"], bench["output_lens"]):
+        if n == 0:  # failed: no tokens
+            continue
+        t = arrival + ttft
+        for gap in itls:
+            g = gauges[max(0, int(np.searchsorted(poll_t, t, side="right")) - 1)] if gauges else {}
+            steps.append((t, g.get("budget"), g.get("cap"), 1, gap))
+            t += gap
+        if n > 1:
+            finished.append((t, (t - arrival - ttft) / (n - 1)))
+        end = max(end, t)
+    steps.sort(key=lambda step: step[0])
+    return {"steps": steps, "finished": finished, "end": end}
 
 
 def parse_statics(text: str) -> list[tuple[int, int]]:
@@ -194,49 +245,115 @@ def parse_statics(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
+
+
+def real_configs(ns: argparse.Namespace, sim: dict, scale: float) -> tuple[dict[str, tuple[list[str], EngineArgs]], str]:
+    """slo and the static pairs to run against it at `scale`: (name -> (serve flags, the same
+    as EngineArgs for the simulator), where the statics came from)."""
+    if ns.statics:
+        statics, source = parse_statics(ns.statics), "--statics"
+    else:  # the best static of the simulated sweep at this rate, else at its highest rate
+        simulated = [r for r in sim["rates"] if r["rate_scale"] == scale] or sim["rates"][-1:]
+        best = simulated[0]["best_static"]
+        statics = [(best["max_num_batched_tokens"], best["max_num_seqs"])]
+        source = f"best static of the simulated sweep at x{simulated[0]['rate_scale']:g}"
+    configs: dict[str, tuple[list[str], EngineArgs]] = {
+        "slo": (["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}"],
+                EngineArgs(batch_controller="slo", target_tpot_ms=ns.target_tpot_ms))}
+    for b, s in statics:
+        configs[f"{b}/{s}"] = (["--max-num-batched-tokens", str(b), "--max-num-seqs", str(s)],
+                               EngineArgs(max_num_batched_tokens=b, max_num_seqs=s))
+    return configs, source
+
+
+def trace_workload(ns: argparse.Namespace, scale: float, *extra: str) -> list[str]:
+    return ["--dataset-name", "trace", "--trace-path", str(TRACE), "--num-prompts", str(ns.num_prompts),
+            "--rate-scale", f"{scale:g}", *extra, "--max-input-len", str(ns.max_input_len),
+            "--max-output-len", str(ns.max_output_len), "--percentile-metrics", "ttft,tpot,itl",
+            "--metric-percentiles", "50,99"]
+
+
 def confirm_real(ns: argparse.Namespace) -> None:
     sim = json.loads(ns.output.read_text())
     cost = load_cost_model(ns.profile)
     work = Path(tempfile.mkdtemp(prefix="batching-slo-"))
-    # Runs of other rates (an earlier command) are kept: each entry says how it was made.
+    # Earlier runs (an earlier command) are kept: each entry says how and when it was made.
     real: dict[str, Any] = sim.get("real", {"rates": []})
-    slo_flags = ["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}"]
-    for scale in map(float, ns.rate_scales.split(",")):
-        if ns.statics:
-            statics, source = parse_statics(ns.statics), "--statics"
-        else:  # the best static of the simulated sweep at this rate, else at its highest rate
-            simulated = [r for r in sim["rates"] if r["rate_scale"] == scale] or sim["rates"][-1:]
-            best = simulated[0]["best_static"]
-            statics = [(best["max_num_batched_tokens"], best["max_num_seqs"])]
-            source = f"best static of the simulated sweep at x{simulated[0]['rate_scale']:g}"
-        configs: dict[str, tuple[list[str], EngineArgs]] = {
-            "slo": (slo_flags, EngineArgs(batch_controller="slo", target_tpot_ms=ns.target_tpot_ms))}
-        for b, s in statics:
-            configs[f"{b}/{s}"] = (["--max-num-batched-tokens", str(b), "--max-num-seqs", str(s)],
-                                   EngineArgs(max_num_batched_tokens=b, max_num_seqs=s))
-        workload = ["--dataset-name", "trace", "--trace-path", str(TRACE), "--num-prompts", str(ns.num_prompts),
-                    "--rate-scale", f"{scale:g}", "--max-input-len", str(ns.max_input_len),
-                    "--max-output-len", str(ns.max_output_len), "--percentile-metrics", "ttft,tpot,itl",
-                    "--metric-percentiles", "50,99"]
+    command = " ".join(["python", "benchmarks/batching_slo.py", *sys.argv[1:]])
+    for scale in map(float, filter(None, ns.rate_scales.split(","))):
+        configs, source = real_configs(ns, sim, scale)
+        workload = trace_workload(ns, scale)
         # The simulator's numbers for this very workload, beside the measured ones.
         rows = read_trace(TRACE, ns.num_prompts, scale, ns.max_input_len, ns.max_output_len)
         reqs = requests(rows, [r.arrival_s for r in rows])
-        entry = {"rate_scale": scale, "num_prompts": ns.num_prompts,
-                 "command": " ".join(["python", "benchmarks/batching_slo.py", *sys.argv[1:]]),
+        entry = {"rate_scale": scale, "num_prompts": ns.num_prompts, "command": command, "date": utc_now(),
                  "statics_from": source, "simulated_profile": profile_label(cost, ns.profile),
                  "simulated": {name: simulate(args, cost, reqs)[0] for name, (_, args) in configs.items()},
                  "rounds": []}
-        real["rates"] = [r for r in real["rates"]
-                         if (r["rate_scale"], r["num_prompts"]) != (scale, ns.num_prompts)] + [entry]
+        real["rates"].append(entry)  # after the earlier runs of this rate: those made with older code stay
         # Interleaved rounds (every configuration once per round): on a shared machine a
         # difference counts only if it holds in each round.
         for i in range(ns.repeats):
             entry["rounds"].append({
-                name: serve_and_bench(flags, workload, work, f"{name.replace('/', '-')}-{scale:g}-{i}")
+                name: serve_and_bench(flags, workload, work, f"{name.replace('/', '-')}-{scale:g}-{i}")[0]
                 for name, (flags, _) in configs.items()})
             sim["real"] = real  # written after every round: a cut-off command keeps what it measured
             ns.output.write_text(json.dumps(sim, indent=1) + "\n")
         print(json.dumps(entry, indent=1), file=sys.stderr)
+    if ns.step_scales is not None:
+        confirm_real_step(ns, sim, real, cost, work, command)
+
+
+def confirm_real_step(ns: argparse.Namespace, sim: dict, real: dict[str, Any], cost: StepCostModel,
+                      work: Path, command: str) -> None:
+    """The load step on the real engine: the trace rows at one rate, the second half at another
+    (`bench serve --rate-step`), slo against the statics, each run's windowed p99 ITL from the
+    client's inter-token gaps and its limits from the gauges, polled once a second."""
+    before, after = map(float, ns.step_scales.split(","))
+    rows = read_trace(TRACE, ns.num_prompts, 1.0, ns.max_input_len, ns.max_output_len)
+    half = len(rows) // 2
+    arrivals = rate_step_arrivals([r.arrival_s for r in rows], half, before, after)
+    change_at = arrivals[half]
+    window = EngineArgs(batch_controller="slo", target_tpot_ms=ns.target_tpot_ms).create_engine_configs(
+        8192, 1)[1].batch_control_config.window
+    configs, source = real_configs(ns, sim, after)
+    workload = trace_workload(ns, before, "--rate-step", f"{half}:{after:g}")
+    reqs = requests(rows, arrivals)
+    simulated = {}
+    for name, (_, args) in configs.items():
+        metrics, raw = simulate(args, cost, reqs)
+        simulated[name] = metrics | {"settle_s": settle_time(windowed(raw, window), change_at, ns.target_tpot_ms)}
+    entry: dict[str, Any] = {"scale_before": before, "scale_after": after, "at_index": half,
+                             "num_prompts": ns.num_prompts, "change_at_s": round(change_at, 2),
+                             "window_s": window, "command": command, "date": utc_now(), "statics_from": source,
+                             "simulated_profile": profile_label(cost, ns.profile), "simulated": simulated,
+                             "rounds": []}
+    real.setdefault("steps", []).append(entry)
+    for i in range(ns.repeats):
+        runs = {}
+        for name, (flags, _) in configs.items():
+            out, bench = serve_and_bench(flags, workload, work, f"step-{name.replace('/', '-')}-{i}", poll=True)
+            w = windowed(measured_series(bench, arrivals, out["gauge_series"]), window)
+            after_step = [v for t, v in zip(w["t"], w["p99_itl_ms"]) if t >= change_at and v is not None]
+            runs[name] = out | {
+                "settle_s": settle_time(w, change_at, ns.target_tpot_ms),
+                "settle_within_5pct_s": settle_time(w, change_at, 1.05 * ns.target_tpot_ms),
+                "points_after_step": len(after_step),  # of windowed's 300 time points
+                "points_after_step_over_target": sum(v > ns.target_tpot_ms for v in after_step),
+                "series": w}
+        entry["rounds"].append(runs)
+        sim["real"] = real
+        ns.output.write_text(json.dumps(sim, indent=1) + "\n")
+        plot({name: run["series"] for name, run in runs.items()}, change_at, ns.target_tpot_ms,
+             OUT / "batching_plots" / f"slo_step_real_{i + 1}.png",
+             title=f"real engine (tokenweir serve, round {i + 1}): slo after a load step "
+                   f"x{before:g} -> x{after:g}",
+             xlabel="seconds from the first request (rate steps up at the dotted line)")
+    print(json.dumps({k: v for k, v in entry.items() if k != "rounds"} | {"rounds": [
+        {name: {k: v for k, v in run.items() if k not in ("series", "gauge_series", "log_lines")}
+         for name, run in runs.items()} for runs in entry["rounds"]]}, indent=1), file=sys.stderr)
 
 
 def main() -> None:
@@ -244,7 +361,9 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None)
     ap.add_argument("--target-tpot-ms", type=float, default=250.0)
     ap.add_argument("--rate-scales", default="0.1,0.2,0.3,0.4")
-    ap.add_argument("--step-scales", default="0.1,0.4", help="rate scale before,after the step")
+    ap.add_argument("--step-scales", default=None,
+                    help="rate scale before,after the step (default 0.1,0.4; --real: the step runs only "
+                         "when this is given)")
     ap.add_argument("--num-prompts", type=int, default=300)
     ap.add_argument("--max-input-len", type=int, default=1024)
     ap.add_argument("--max-output-len", type=int, default=256)
@@ -284,7 +403,7 @@ def main() -> None:
               f"{entry['slo']['p99_tpot_ms']:.0f} ms; best static meeting the target: "
               f"{best and (best['max_num_batched_tokens'], best['max_num_seqs'], best['request_throughput'])}",
               file=sys.stderr)
-    before, after = map(float, ns.step_scales.split(","))
+    before, after = map(float, (ns.step_scales or "0.1,0.4").split(","))
     half = len(rows) // 2
     step_times = rate_step_arrivals(trace_times, half, before, after)
     reqs = requests(rows, step_times)

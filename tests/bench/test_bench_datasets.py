@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from tokenweir.bench.datasets import (PromptBuilder, make_prefix_requests, make_random_requests,
-                                      make_trace_requests, read_trace, sample_lengths)
+                                      make_trace_requests, rate_step_arrivals, read_trace,
+                                      sample_lengths)
 from tokenweir.bench.serve import add_cli_args, build_workload, default_trace_path
 
 
@@ -123,6 +124,32 @@ def test_trace_workload_takes_arrivals_from_the_trace(tmp_path):
     with pytest.raises(ValueError, match="rate-scale"):
         build_workload(parse(["--dataset-name", "trace", "--trace-path", str(path),
                               "--request-rate", "3"]), None)
+
+
+def test_gaps_before_the_step_are_scaled_by_one_rate_and_after_by_the_other():
+    times = rate_step_arrivals([10.0, 12.0, 16.0, 20.0, 21.0], 2, 0.5, 4.0)
+    # Gaps 2, 4, 4, 1: the first (before request 2) slowed 2x, those from request 2 on 4x faster.
+    assert times == pytest.approx([0.0, 4.0, 5.0, 6.0, 6.25])
+
+
+def test_a_bad_rate_step_is_refused():
+    with pytest.raises(ValueError, match=r"rate step needs scales > 0 and an index in \[0, 2\]"):
+        rate_step_arrivals([0.0, 1.0], 3, 1.0, 2.0)
+    with pytest.raises(ValueError, match="rate step needs scales > 0"):
+        rate_step_arrivals([0.0, 1.0], 1, 0.0, 2.0)
+
+
+def test_trace_workload_steps_its_rate_from_the_row_given(tmp_path):
+    path = write_trace(tmp_path / "t.csv")
+    w = build_workload(parse(["--dataset-name", "trace", "--trace-path", str(path), "--num-prompts", "4",
+                              "--rate-scale", "0.5", "--rate-step", "2:4"]), None)
+    # Trace gaps 1, 3, 1: the one before row 1 at half the rate, those into rows 2 and 3 4x faster.
+    assert w.arrivals.tolist() == pytest.approx([0.0, 2.0, 2.75, 3.0])
+    with pytest.raises(ValueError, match="bad --rate-step '2'"):
+        build_workload(parse(["--dataset-name", "trace", "--trace-path", str(path), "--num-prompts", "4",
+                              "--rate-step", "2"]), None)
+    with pytest.raises(ValueError, match="needs --dataset-name trace"):
+        build_workload(parse(["--num-prompts", "4", "--request-rate", "3", "--rate-step", "2:4"]), None)
 
 
 def test_random_workload_arrivals_end_at_n_over_rate():

@@ -131,3 +131,18 @@ def test_search_finds_the_capacity_of_a_queue_it_can_be_computed_for(tmp_path, c
     assert first["request_rate"] > 1.8 * second["request_rate"]
     assert not math.isinf(first["request_rate"])
     assert "SIMULATED capacity" in capsys.readouterr().out
+
+
+def test_search_refuses_a_rate_step_and_simulate_replays_one(tmp_path, capsys) -> None:
+    trace = tmp_path / "t.csv"
+    trace.write_text("arrived_at,num_prefill_tokens,num_decode_tokens\n" + "".join(
+        f"{i}.0,8,2\n" for i in range(6)))
+    profile = write_profile(tmp_path / "p.json", cost_model(step=0.01))
+    stepped = ["--dataset-name", "trace", "--trace-path", str(trace), "--num-prompts", "6", "--rate-step", "3:2"]
+    with pytest.raises(SystemExit):
+        main(["simulate", "search", "--profile", str(profile), *stepped, "--goodput", "ttft:250"])
+    assert "takes no --rate-step" in capsys.readouterr().err
+    main(["simulate", "--profile", str(profile), "--disable-tqdm", "--result-dir", str(tmp_path),
+          "--result-filename", "s.json", *stepped])
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["rate_step"] == "3:2" and data["completed"] == 6

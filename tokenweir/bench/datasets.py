@@ -161,6 +161,21 @@ def read_trace(path: Path, num: int, rate_scale: float = 1.0,
             for r in rows]
 
 
+def rate_step_arrivals(arrivals: list[float], at_index: int, scale_before: float,
+                       scale_after: float) -> list[float]:
+    """Trace arrival times replayed `scale_before` times as fast up to request `at_index`, and
+    `scale_after` times from there on (the gaps keep the trace's shape): a load step."""
+    if not (scale_before > 0 and scale_after > 0) or not 0 <= at_index <= len(arrivals):
+        raise ValueError(f"rate step needs scales > 0 and an index in [0, {len(arrivals)}], "
+                         f"got {scale_before}, {scale_after}, {at_index}")
+    out, now, prev = [], 0.0, arrivals[0] if arrivals else 0.0
+    for i, t in enumerate(arrivals):
+        now += (t - prev) / (scale_before if i < at_index else scale_after)
+        prev = t
+        out.append(now)
+    return out
+
+
 def make_trace_requests(rows: list[TraceRow], builder: PromptBuilder) -> list[BenchRequest]:
     requests = []
     for row in rows:

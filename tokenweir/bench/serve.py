@@ -24,7 +24,7 @@ from tokenweir.bench.arrivals import make_arrival_times
 from tokenweir.bench.client import build_payload, send_request
 from tokenweir.bench.datasets import (BenchRequest, PromptBuilder, Tokenizer,
                                       make_prefix_requests, make_random_requests,
-                                      make_trace_requests, read_trace)
+                                      make_trace_requests, rate_step_arrivals, read_trace)
 from tokenweir.bench.serve_metrics import (METRIC_NAMES, SLO_NAMES, RequestRecord,
                                            compute_metrics, metrics_to_dict)
 from tokenweir.bench.serve_report import format_table
@@ -95,6 +95,9 @@ def add_workload_args(parser: argparse.ArgumentParser) -> None:
                            "replays its first --num-prompts rows")
     data.add_argument("--rate-scale", type=float, default=1.0,
                       help="trace: multiply the arrival rate (arrival times are divided by it)")
+    data.add_argument("--rate-step", default=None, metavar="INDEX:SCALE",
+                      help="trace: a load step; rows from INDEX on are replayed at rate scale SCALE "
+                           "(those before it at --rate-scale)")
     data.add_argument("--max-input-len", type=int, default=None, help="trace: cap prompt lengths")
     data.add_argument("--max-output-len", type=int, default=None, help="trace: cap output lengths")
 
@@ -146,6 +149,17 @@ def parse_percentiles(text: str) -> list[float]:
     return values
 
 
+def parse_rate_step(text: str | None) -> tuple[int, float] | None:
+    """"150:0.4" -> (150, 0.4): from row 150 on, the trace at rate scale 0.4."""
+    if text is None:
+        return None
+    index, _, scale = text.partition(":")
+    try:
+        return int(index), float(scale)
+    except ValueError:
+        raise ValueError(f"bad --rate-step {text!r}; use INDEX:SCALE, e.g. 150:0.4") from None
+
+
 def build_workload(args: argparse.Namespace, tokenizer: Tokenizer | None) -> Workload:
     rng = np.random.default_rng(args.seed)
     builder = PromptBuilder(rng, tokenizer)
@@ -156,10 +170,16 @@ def build_workload(args: argparse.Namespace, tokenizer: Tokenizer | None) -> Wor
         if not math.isinf(args.request_rate):
             raise ValueError("the trace sets arrival times; scale them with --rate-scale, "
                              "not --request-rate")
-        rows = read_trace(args.trace_path, n, args.rate_scale,
+        step = parse_rate_step(args.rate_step)
+        # With a step the trace's own times are read (scale 1) and each side scaled by its rate.
+        rows = read_trace(args.trace_path, n, 1.0 if step else args.rate_scale,
                           args.max_input_len, args.max_output_len)
-        return Workload(make_trace_requests(rows, builder),
-                        np.array([r.arrival_s for r in rows]))
+        arrivals = [r.arrival_s for r in rows]
+        if step:
+            arrivals = rate_step_arrivals(arrivals, step[0], args.rate_scale, step[1])
+        return Workload(make_trace_requests(rows, builder), np.array(arrivals))
+    if args.rate_step is not None:
+        raise ValueError("--rate-step steps the trace's arrival process; it needs --dataset-name trace")
     if args.dataset_name == "prefix":
         requests = make_prefix_requests(n, args.prefix_len, args.suffix_len,
                                         args.random_output_len, args.random_range_ratio,
@@ -272,6 +292,9 @@ async def _benchmark(args: argparse.Namespace) -> dict:
             payload.update(cls.payload_fields())
         print(f"Benchmarking {len(payloads)} {args.dataset_name} requests against "
               f"{base_url}{args.endpoint} (model {model})", file=sys.stderr)
+        # Wall-clock time of the first send: places the requests' times (arrival, TTFT, ITLs)
+        # on the server's own timeline, e.g. its log lines.
+        start_time = time.time()
         records, duration = await run_requests(session, base_url + args.endpoint, headers,
                                                payloads, workload, args.max_concurrency)
 
@@ -295,6 +318,7 @@ async def _benchmark(args: argparse.Namespace) -> dict:
         "seed": args.seed,
         "ignore_eos": args.ignore_eos,
         "goodput_slos_ms": slos or None,
+        "start_time": start_time,
         **metrics_to_dict(metrics, selected),
         "input_lens": [r.prompt_len for r in records],
         "output_lens": [r.output_tokens if r.success else 0 for r in records],
@@ -308,6 +332,8 @@ async def _benchmark(args: argparse.Namespace) -> dict:
     if args.dataset_name == "trace":
         result["trace_path"] = str(args.trace_path)
         result["rate_scale"] = args.rate_scale
+        if args.rate_step is not None:
+            result["rate_step"] = args.rate_step
     if args.save_result or args.result_filename:
         path = result_path(args, model, rate_label)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -114,6 +114,8 @@ def result_dict(result: SimResult, metrics: BenchmarkMetrics, ns: argparse.Names
     if ns.dataset_name == "trace":
         out["trace_path"] = str(ns.trace_path)
         out["rate_scale"] = ns.rate_scale
+        if ns.rate_step is not None:
+            out["rate_step"] = ns.rate_step
     return out
 
 

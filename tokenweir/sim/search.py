@@ -152,6 +152,8 @@ def engine_grid(lists: dict[str, list[Any]]) -> list[dict[str, Any]]:
 def search(ns: argparse.Namespace, base: EngineArgs, lists: dict[str, list[Any]],
            progress: Callable[[str], None] = lambda s: None) -> tuple[list[Capacity], StepCostModel]:
     criterion = make_criterion(ns)
+    if ns.rate_step is not None:  # the search scales one rate; the step's second one would stay
+        raise ValueError("simulate search varies the rate; it takes no --rate-step")
     cost_model = load_cost_model(ns.profile)
     if ns.dataset_name == "trace":
         start = ns.start_rate or ns.rate_scale
