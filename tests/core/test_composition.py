@@ -297,7 +297,7 @@ class BruteForce:
         self.greedy = r.sampling_params.greedy if self.greedy is None else self.greedy and r.sampling_params.greedy
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(band_states())
 def test_an_order_chooses_the_smallest_tuple_of_its_keys_within_the_band(state):
     """Pop after pop of one step (so the step's choices shape the keys), one order or several."""
