@@ -47,7 +47,7 @@ that is the policy's call.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -134,7 +134,8 @@ class OrderKey:
     def begin_step(self, running: Sequence[Request]) -> None:
         """A new step, with these requests running."""
 
-    def key(self, request: Request) -> Hashable:
+    def key(self, request: Request) -> int:
+        """The request's rank: smaller goes first."""
         raise NotImplementedError
 
     def chosen(self, request: Request) -> None:
@@ -184,15 +185,15 @@ class BandOrder(AdmissionOrder):
 
     def choose(self, band: Sequence[Request]) -> Request:
         # Lexicographic, one key at a time: each later key ranks only the requests the keys
-        # before it left tied (the same choice as the whole tuple's minimum, fewer lookups).
+        # before it left tied (the same choice as the whole tuple's minimum, fewer lookups);
+        # the last one by min(), which keeps the first of equals (queue order).
+        *firsts, last = self.keys
         candidates = band
-        for order in self.keys:
+        for order in firsts:
             values = [order.key(request) for request in candidates]
             best = min(values)
             candidates = [request for request, value in zip(candidates, values) if value == best]
-            if len(candidates) == 1:
-                break
-        return candidates[0]
+        return min(candidates, key=last.key)
 
 
 class _PrefixMatcher:
@@ -223,7 +224,8 @@ class _PrefixMatcher:
 
 
 class CacheAwareKey(OrderKey):
-    """(whether it would compute a prefix chosen this step, minus its cached blocks; 0 if so)."""
+    """Minus its cached blocks, or 1 (after all others, all alike) if it would compute a prefix
+    chosen this step: (would compute it, -cached blocks or 0) as one int, cheaper to compare."""
 
     def __init__(self, matcher: _PrefixMatcher) -> None:
         self.matcher = matcher
@@ -232,11 +234,12 @@ class CacheAwareKey(OrderKey):
     def begin_step(self, running: Sequence[Request]) -> None:
         self._computing.clear()
 
-    def key(self, request: Request) -> tuple[int, int]:
+    def key(self, request: Request) -> int:
         n, most = self.matcher.match(request)
-        if n < most and request.block_hashes[n] in self._computing:
-            return 1, 0
-        return 0, -n
+        computing = self._computing
+        if n < most and computing and request.block_hashes[n] in computing:
+            return 1
+        return -n
 
     def chosen(self, request: Request) -> None:
         n, most = self.matcher.match(request)
