@@ -129,13 +129,14 @@ class AdmissionOrder:
 
 
 class OrderKey:
-    """One order within a band: `key` ranks a request (smaller first) given the step so far."""
+    """One order within a band: `keys` ranks requests (smaller first) given the step so far."""
 
     def begin_step(self, running: Sequence[Request]) -> None:
         """A new step, with these requests running."""
 
-    def key(self, request: Request) -> int:
-        """The request's rank: smaller goes first."""
+    def keys(self, requests: Sequence[Request]) -> list[int]:
+        """Each request's rank, smaller first (one call per choice, not per request: with a
+        call per request, cache-aware's choice measured about a third slower than before)."""
         raise NotImplementedError
 
     def chosen(self, request: Request) -> None:
@@ -185,15 +186,15 @@ class BandOrder(AdmissionOrder):
 
     def choose(self, band: Sequence[Request]) -> Request:
         # Lexicographic, one key at a time: each later key ranks only the requests the keys
-        # before it left tied (the same choice as the whole tuple's minimum, fewer lookups);
-        # the last one by min(), which keeps the first of equals (queue order).
+        # before it left tied (the same choice as the whole tuple's minimum, fewer lookups).
         *firsts, last = self.keys
         candidates = band
         for order in firsts:
-            values = [order.key(request) for request in candidates]
+            values = order.keys(candidates)
             best = min(values)
             candidates = [request for request, value in zip(candidates, values) if value == best]
-        return min(candidates, key=last.key)
+        values = last.keys(candidates)
+        return candidates[values.index(min(values))]  # the first of equals
 
 
 class _PrefixMatcher:
@@ -234,12 +235,13 @@ class CacheAwareKey(OrderKey):
     def begin_step(self, running: Sequence[Request]) -> None:
         self._computing.clear()
 
-    def key(self, request: Request) -> int:
-        n, most = self.matcher.match(request)
-        computing = self._computing
-        if n < most and computing and request.block_hashes[n] in computing:
-            return 1
-        return -n
+    def keys(self, requests: Sequence[Request]) -> list[int]:
+        match, computing = self.matcher.match, self._computing
+        values = []
+        for request in requests:
+            n, most = match(request)
+            values.append(1 if n < most and computing and request.block_hashes[n] in computing else -n)
+        return values
 
     def chosen(self, request: Request) -> None:
         n, most = self.matcher.match(request)
@@ -260,8 +262,11 @@ class LengthAwareKey(OrderKey):
     def _uncached(self, request: Request) -> int:
         return request.num_tokens - self.matcher.match(request)[0] * self.matcher.kv.block_size
 
-    def key(self, request: Request) -> int:
-        return 0 if self._reference is None else abs(self._uncached(request) - self._reference)
+    def keys(self, requests: Sequence[Request]) -> list[int]:
+        reference = self._reference
+        if reference is None:
+            return [0] * len(requests)
+        return [abs(self._uncached(request) - reference) for request in requests]
 
     def chosen(self, request: Request) -> None:
         if self._reference is None:
@@ -277,10 +282,13 @@ class SamplingGroupedKey(OrderKey):
     def begin_step(self, running: Sequence[Request]) -> None:
         self._greedy = all(r.sampling_params.greedy for r in running) if running else None
 
-    def key(self, request: Request) -> int:
+    def keys(self, requests: Sequence[Request]) -> list[int]:
         # A mixed batch has lost the fast path: sampled requests join it, so that greedy ones
         # later run in batches of their own.
-        return 0 if self._greedy is None else int(request.sampling_params.greedy != self._greedy)
+        greedy = self._greedy
+        if greedy is None:
+            return [0] * len(requests)
+        return [request.sampling_params.greedy != greedy for request in requests]  # a bool is an int
 
     def chosen(self, request: Request) -> None:
         greedy = request.sampling_params.greedy
