@@ -299,8 +299,8 @@ class EngineArgs:
     # --- batch composition (core/composition.py)
     admission_order: Union[str, tuple[str, ...], list[str]] = field(default=_COMPOSITION.admission_order, metadata={
         "help": f"order of admission within the policy's bands (fcfs: all; priority: equal priority; vtc: "
-                f"the tenant served next; sla: none): {' | '.join(ADMISSION_ORDERS)}, or several of those "
-                f"after policy joined by commas (cache-aware,sampling-grouped: the first decides, the next "
+                f"the tenant served next; sla: none): {' | '.join(ADMISSION_ORDERS)}, or several of those but "
+                f"policy joined by commas (cache-aware,sampling-grouped: the first decides, the next ones "
                 f"break its ties) (default {_COMPOSITION.admission_order})"})
     admission_max_wait: float = field(default=_COMPOSITION.max_wait, metadata={
         "help": "seconds after which a waiting request is passed by no later arrival of its band "

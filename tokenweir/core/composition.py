@@ -74,8 +74,8 @@ def parse_admission_order(value: object) -> tuple[str, ...]:
         raise ValueError(f"admission_order must name at least one of {ADMISSION_ORDERS}, got {value!r}")
     for name in names:
         if name not in ADMISSION_ORDERS:
-            raise ValueError(f"admission_order must be one of {ADMISSION_ORDERS} or a combination of those "
-                             f"after 'policy', got {name!r} in {value!r}")
+            raise ValueError(f"admission_order must be one of {ADMISSION_ORDERS}, or several of those but "
+                             f"'policy' joined by commas, got {name!r} in {value!r}")
         if names.count(name) > 1:
             raise ValueError(f"admission_order names {name!r} twice in {value!r}")
     if len(names) > 1 and "policy" in names:
