@@ -329,9 +329,10 @@ def ordered_workloads(draw):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ordered_workloads())
 def test_admission_orders_keep_streams_exact_and_release_every_block(workload):
-    """Only the order changes: every stream is the one its request produces alone (so the same
-    as under the policy's own order), whatever the preemptions, aborts, chunking and cache hits,
-    and afterwards every block is free and every queue empty (check_workload asserts both)."""
+    """Only the order changes, one order or several combined: every stream is the one its
+    request produces alone (so the same as under the policy's own order), whatever the
+    preemptions, aborts, chunking and cache hits, and afterwards every block is free and every
+    queue empty (check_workload asserts both)."""
     check_workload(*workload)
 
 
@@ -360,8 +361,8 @@ def aging_workloads(draw):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(aging_workloads())
 def test_no_request_is_passed_by_a_later_arrival_of_its_band_once_it_waited_the_bound(workload):
-    """The guarantee, with the whole band in the window (admission_window >= the queue): in a
-    step that admits request x, no request y of x's band (fcfs: all; priority: equal priority;
+    """The guarantee, for one order or several combined, with the whole band in the window
+    (admission_window >= the queue): in a step that admits request x, no request y of x's band (fcfs: all; priority: equal priority;
     vtc: same tenant) that arrived before x and has waited at least admission_max_wait is left
     waiting. So once a request has waited the bound, it waits no longer than its policy order
     gives it behind the requests that arrived before it. Also: under `priority` no waiting
