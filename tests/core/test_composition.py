@@ -362,9 +362,9 @@ def aging_workloads(draw):
 @given(aging_workloads())
 def test_no_request_is_passed_by_a_later_arrival_of_its_band_once_it_waited_the_bound(workload):
     """The guarantee, for one order or several combined, with the whole band in the window
-    (admission_window >= the queue): in a step that admits request x, no request y of x's band (fcfs: all; priority: equal priority;
-    vtc: same tenant) that arrived before x and has waited at least admission_max_wait is left
-    waiting. So once a request has waited the bound, it waits no longer than its policy order
+    (admission_window >= the queue): in a step that admits request x, no request y of x's band
+    (fcfs: all; priority: equal priority; vtc: same tenant) that arrived before x and has waited
+    at least admission_max_wait is left waiting. So once a request has waited the bound, it waits no longer than its policy order
     gives it behind the requests that arrived before it. Also: under `priority` no waiting
     request of more importance (smaller priority) is ever left behind an admitted one."""
     config, specs = workload
