@@ -277,7 +277,8 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=None,
                         choices=["fcfs", "fcfs-1024", "sla", "sla-batch-backlog", "sla-tenants", "vtc", "slo", "partial-prefills",
                                  "partial-prefills-passing", "cache-aware", "priority-cache-aware", "churn-policy",
-                                 "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped", "churn-sla",
+                                 "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped",
+                                 "churn-cache-aware,sampling-grouped", "churn-sla",
                                  "churn-sla-tenants", "churn-vtc"])
     args = parser.parse_args()
     cases = {"fcfs": lambda: measure(256, 10_000, args.steps), "fcfs-1024": lambda: measure(1024, 0, args.steps // 2),
@@ -293,7 +294,7 @@ def main() -> None:
              "priority-cache-aware": lambda: measure(256, 10_000, args.steps, "priority",
                                                      options=dict(composition=CompositionConfig("cache-aware"))),
              **{f"churn-{order}": (lambda order=order: measure_churn(256, 10_000, args.steps, CompositionConfig(order)))
-                for order in ("policy", "cache-aware", "length-aware", "sampling-grouped")},
+                for order in ("policy", "cache-aware", "length-aware", "sampling-grouped", "cache-aware,sampling-grouped")},
              "churn-sla": lambda: measure_churn(256, 10_000, args.steps, policy="sla"),
              "churn-sla-tenants": lambda: measure_churn(256, 10_000, args.steps, policy="sla",
                                                         policy_config=SLAConfig(tenant_fairness=True)),

@@ -297,10 +297,11 @@ class EngineArgs:
     vtc_tenant_weights: Optional[str] = field(default=None, metadata={
         "help": "vtc: tenant shares, 'a=2,b=1' or @file.json ({tenant: weight}); others weigh 1"})
     # --- batch composition (core/composition.py)
-    admission_order: str = field(default=_COMPOSITION.admission_order, metadata={
+    admission_order: Union[str, tuple[str, ...], list[str]] = field(default=_COMPOSITION.admission_order, metadata={
         "help": f"order of admission within the policy's bands (fcfs: all; priority: equal priority; vtc: "
-                f"the tenant served next; sla: none): {' | '.join(ADMISSION_ORDERS)} "
-                f"(default {_COMPOSITION.admission_order})"})
+                f"the tenant served next; sla: none): {' | '.join(ADMISSION_ORDERS)}, or several of those but "
+                f"policy joined by commas (cache-aware,sampling-grouped: the first decides, the next ones "
+                f"break its ties) (default {_COMPOSITION.admission_order})"})
     admission_max_wait: float = field(default=_COMPOSITION.max_wait, metadata={
         "help": "seconds after which a waiting request is passed by no later arrival of its band "
                 f"(the aging bound of the admission orders; default {_COMPOSITION.max_wait})"})
@@ -354,6 +355,9 @@ class EngineArgs:
                 raise ValueError(
                     f"num_gpu_blocks_override ({self.num_gpu_blocks_override}) and kv_cache_memory "
                     f"({self.kv_cache_memory!r}) both size the KV pool; set only one of them")
+        # One spelling of the order, however it was given (a tuple, "a, b"): engine_argv passes
+        # it on as a flag, and equal orders compare equal.
+        self.admission_order = CompositionConfig(self.admission_order).admission_order
         # Check every knob the model does not decide now, before a model is loaded for nothing.
         self._scheduler_and_cache_configs(self.max_model_len, num_blocks=0)
 
@@ -427,7 +431,8 @@ class EngineArgs:
     def _composition(self) -> CompositionConfig:
         """The admission order, refused where it could do nothing (a silent no-op flag would be
         taken for one that works)."""
-        order = self.admission_order
+        composition = CompositionConfig(self.admission_order, self.admission_max_wait, self.admission_window)
+        order = composition.admission_order
         if order == _COMPOSITION.admission_order:
             given = [arg for arg, knob in (("admission_max_wait", "max_wait"), ("admission_window", "window"))
                      if getattr(self, arg) != getattr(_COMPOSITION, knob)]
@@ -437,9 +442,10 @@ class EngineArgs:
         elif self.scheduling_policy == "sla":
             raise ValueError(f"admission_order {order!r} does nothing under scheduling_policy 'sla': its score "
                              "sets every waiting request apart, so there is no band of equals to reorder")
-        elif order == "cache-aware" and not self.enable_prefix_caching:
+        elif "cache-aware" in composition.orders and not self.enable_prefix_caching:
+            # In a combination too: without a cache its key ranks every request alike.
             raise ValueError("admission_order 'cache-aware' needs enable_prefix_caching (it orders by prefix-cache hits)")
-        return CompositionConfig(order, self.admission_max_wait, self.admission_window)
+        return composition
 
     def _policy_config(self) -> Optional[PolicyConfig]:
         """The knobs of the chosen policy (None: a policy without knobs takes its defaults)."""

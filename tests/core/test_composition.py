@@ -1,12 +1,16 @@
-"""Admission orders (core/composition.py): what each one chooses, that they reorder only within
-a policy's band, the aging bound of every order, and that streams and blocks are untouched."""
+"""Admission orders (core/composition.py): what each one chooses, alone and combined, that they
+reorder only within a policy's band, the aging bound of every order, and that streams and blocks
+are untouched."""
 
 from __future__ import annotations
+
+import argparse
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tokenweir.cli import add_engine_args, engine_args_from, engine_argv
 from tokenweir.config import EngineArgs
 from tokenweir.core.composition import ADMISSION_ORDERS, CompositionConfig
 from tokenweir.request import RequestStatus
@@ -14,6 +18,13 @@ from tests.core.helpers import PagedFakeRunner, assert_no_leaks, create_schedule
 from tests.core.test_scheduler_properties import check_workload, workloads
 
 PREFIX = list(range(500, 516))  # 4 blocks of 4
+BAND_ORDERS = ADMISSION_ORDERS[1:]  # those that reorder a band, and compose
+
+
+def combinations(min_size: int = 1):
+    """Orders of BAND_ORDERS, one to all of them, in any order, as a tuple."""
+    return st.permutations(BAND_ORDERS).flatmap(
+        lambda names: st.integers(min_size, len(names)).map(lambda k: tuple(names[:k])))
 
 
 def scheduler(order: str, *, max_wait: float = 5.0, window: int = 32, **kwargs):
@@ -119,6 +130,26 @@ def test_sampling_grouped_keeps_an_all_greedy_batch_greedy():
     assert first_admitted(s, runner, now=3.0) == "greedy2"
 
 
+def test_cache_aware_then_sampling_grouped_breaks_cache_ties_by_the_batch_kind():
+    """Neither order alone makes this choice: cache-aware alone takes the first of the two
+    equal hits (sampled), sampling-grouped alone the first greedy one (a miss)."""
+    def first(order: str) -> str:
+        s = scheduler(order, max_num_seqs=2)
+        runner = PagedFakeRunner(s.block_size)
+        warm(s, runner, PREFIX + [1, 2])
+        s.add_request(make_request("greedy", 5, max_tokens=20, arrival_time=0.0, temperature=0.0))
+        step(s, runner, now=0.0)
+        s.add_request(make_request("greedy-miss", 18, arrival_time=1.0, temperature=0.0))
+        s.add_request(make_request("sampled-hit", PREFIX + [7, 8], arrival_time=2.0, temperature=1.0))
+        s.add_request(make_request("greedy-hit", PREFIX + [5, 6], arrival_time=3.0, temperature=0.0))
+        return first_admitted(s, runner, now=3.0)
+
+    assert first("cache-aware") == "sampled-hit"
+    assert first("sampling-grouped") == "greedy-miss"
+    assert first("cache-aware,sampling-grouped") == "greedy-hit"
+    assert first("sampling-grouped,cache-aware") == "greedy-hit"
+
+
 def test_orders_are_configured_by_engine_args_and_checked():
     args = EngineArgs(admission_order="cache-aware", admission_max_wait=2.5, admission_window=8)
     _, sched = args._scheduler_and_cache_configs(None, 0)
@@ -143,13 +174,153 @@ def test_an_admission_order_that_would_do_nothing_is_refused(kwargs, message):
         EngineArgs(**kwargs)._scheduler_and_cache_configs(None, 0)
 
 
+@pytest.mark.parametrize("given", ["cache-aware,sampling-grouped", " cache-aware , sampling-grouped",
+                                   ("cache-aware", "sampling-grouped"), ["cache-aware", "sampling-grouped"]])
+def test_a_combination_is_given_as_names_joined_by_commas_or_a_tuple_or_list(given):
+    args = EngineArgs(admission_order=given)
+    assert args.admission_order == "cache-aware,sampling-grouped"  # one spelling, whatever was given
+    _, sched = args._scheduler_and_cache_configs(None, 0)
+    assert sched.composition == CompositionConfig(("cache-aware", "sampling-grouped"))
+    assert sched.composition.orders == ("cache-aware", "sampling-grouped")
+    assert CompositionConfig(given) != CompositionConfig("sampling-grouped,cache-aware")  # the first decides
+
+
+def test_a_combination_goes_through_the_command_line_and_back():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)  # as serve, generate, profile and simulate take them
+    args = engine_args_from(parser.parse_args(["--admission-order", "length-aware,cache-aware"]))
+    assert args._scheduler_and_cache_configs(None, 0)[1].composition.orders == ("length-aware", "cache-aware")
+    assert engine_argv(args) == ["--admission-order", "length-aware,cache-aware"]
+
+
+@pytest.mark.parametrize("given, message", [
+    ("cache-aware,lpm", r"admission_order must be one of .* got 'lpm' in 'cache-aware,lpm'"),
+    ("", r"admission_order must be one of .* got '' in ''"),
+    ("cache-aware,", r"got '' in 'cache-aware,'"),
+    ((), r"admission_order must name at least one of"),
+    (("cache-aware", 3), r"admission_order must be a name, comma-separated names or a tuple or list of names"),
+    (None, r"admission_order must be a name"),
+    ("cache-aware,length-aware,cache-aware", r"admission_order names 'cache-aware' twice"),
+    ("policy,cache-aware", r"admission_order 'policy' \(the policy's own order, no reordering\) cannot be combined"),
+    (["sampling-grouped", "policy"], r"'policy' .* cannot be combined with other orders"),
+    ("policy,policy", r"admission_order names 'policy' twice"),
+])
+def test_a_bad_admission_order_is_refused_precisely(given, message):
+    with pytest.raises(ValueError, match=message):
+        CompositionConfig(given)
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(admission_order=given)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(scheduling_policy="sla", admission_order="length-aware,sampling-grouped"),
+     r"admission_order 'length-aware,sampling-grouped' does nothing under scheduling_policy 'sla'"),
+    (dict(admission_order="sampling-grouped,cache-aware", enable_prefix_caching=False),
+     r"'cache-aware' needs enable_prefix_caching"),
+])
+def test_each_order_of_a_combination_is_checked_as_alone(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)._scheduler_and_cache_configs(None, 0)
+    # Without cache-aware, a combination runs without prefix caching.
+    EngineArgs(admission_order="length-aware,sampling-grouped",
+               enable_prefix_caching=False)._scheduler_and_cache_configs(None, 0)
+
+
+# ---------------------------------------------------------------- choices against brute force
+
+@st.composite
+def band_states(draw):
+    """A scheduler with a warm prefix cache, a running batch of either kind (or none) and a
+    queue of requests sharing prefixes, arrived at different times, of several priorities,
+    tenants and sampling kinds; an order (one or several) and a time to pop them at."""
+    orders = draw(combinations())
+    # Mostly no request aged, so that the keys choose; a small window sometimes.
+    composition = CompositionConfig(orders, draw(st.sampled_from([3.0, 1e9, 1e9])), draw(st.sampled_from([3, 64, 64])))
+    s = create_scheduler(policy=draw(st.sampled_from(sorted(BAND))), max_num_batched_tokens=64, max_num_seqs=8,
+                         block_size=2, num_blocks=96, enable_prefix_caching=draw(st.booleans()),
+                         composition=composition)
+    runner = PagedFakeRunner(s.block_size)
+    for i, prefix in enumerate(draw(st.lists(st.sampled_from(SHARED), max_size=3))):
+        warm_id = f"warm{i}"
+        s.add_request(make_request(warm_id, prefix[:draw(st.integers(2, len(prefix)))] + [1], max_tokens=1))
+        while s.has_unfinished_requests():
+            step(s, runner, 0.0)
+    for i, temperature in enumerate(draw(st.lists(st.sampled_from([0.0, 1.0]), max_size=3))):
+        s.add_request(make_request(f"run{i}", 3, max_tokens=50, temperature=temperature))
+    step(s, runner, 0.0)
+    for i in range(draw(st.integers(2, 20))):
+        prefix = draw(st.sampled_from(SHARED + [[]]))
+        prefix = prefix[:draw(st.integers(0, len(prefix)))]
+        suffix = draw(st.lists(st.integers(100, 120), min_size=1, max_size=10))
+        s.add_request(make_request(f"r{i}", prefix + suffix, arrival_time=float(draw(st.integers(0, 10))),
+                                   priority=draw(st.integers(0, 1)), tenant=draw(st.sampled_from(["a", "b"])),
+                                   temperature=draw(st.sampled_from([0.0, 1.0]))))
+    return s, 10.0
+
+
+class BruteForce:
+    """Each order's key from its definition, for every request of the band, and the band's
+    minimum of their tuples (ties: queue order), after the aging rule."""
+
+    def __init__(self, s, now: float) -> None:
+        self.s, self.now, self.config = s, now, s.admission_order.config
+        self.computing: set = set()
+        self.reference = None
+        self.greedy = all(r.sampling_params.greedy for r in s.running) if s.running else None
+
+    def cached(self, r) -> tuple[int, int]:
+        kv = self.s.kv_cache_manager
+        most = (r.num_tokens - 1) // kv.block_size if kv.enable_caching else 0
+        return kv.get_computed_blocks(r)[1] // kv.block_size, most
+
+    def key(self, name: str, r) -> tuple:
+        n, most = self.cached(r)
+        if name == "cache-aware":
+            return (1, 0) if n < most and r.block_hashes[n] in self.computing else (0, -n)
+        if name == "length-aware":
+            return (0 if self.reference is None else abs(r.num_tokens - n * self.s.block_size - self.reference),)
+        return (0 if self.greedy is None else int(r.sampling_params.greedy != self.greedy),)
+
+    def choice(self, band):
+        aged = [r for r in band if self.now - r.arrival_time >= self.config.max_wait]
+        if len(band) == 1 or aged:
+            return band[0] if len(band) == 1 else min(aged, key=lambda r: r.arrival_time)
+        keys = [tuple(self.key(name, r) for name in self.config.orders) for r in band]
+        return band[keys.index(min(keys))]
+
+    def chosen(self, r) -> None:
+        n, most = self.cached(r)
+        if n < most:
+            self.computing.add(r.block_hashes[n])
+        if self.reference is None:
+            self.reference = r.num_tokens - n * self.s.block_size
+        self.greedy = r.sampling_params.greedy if self.greedy is None else self.greedy and r.sampling_params.greedy
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(band_states())
+def test_an_order_chooses_the_smallest_tuple_of_its_keys_within_the_band(state):
+    """Pop after pop of one step (so the step's choices shape the keys), one order or several."""
+    s, now = state
+    order, brute = s.admission_order, BruteForce(s, now)
+    order.begin_step(now, s.running)
+    while s.waiting:
+        band = list(s.waiting.band(order.config.window))
+        expected = brute.choice(band) if band else None
+        chosen = order.pop(batch_full=False)
+        assert band == [] or chosen is expected, (
+            f"{order.config.orders}: chose {chosen.request_id}, brute force {expected.request_id} "
+            f"of {[r.request_id for r in band]}")
+        brute.chosen(chosen)
+
+
 # ---------------------------------------------------------------- properties
 
 @st.composite
 def ordered_workloads(draw):
     config, requests, resets = draw(workloads())
     config["policy"] = draw(st.sampled_from(["fcfs", "priority", "vtc", "sla"]))
-    config["composition"] = CompositionConfig(draw(st.sampled_from(ADMISSION_ORDERS[1:])),
+    config["composition"] = CompositionConfig(draw(combinations()),
                                               draw(st.sampled_from([0.0, 3.0, 1e9])),
                                               draw(st.integers(1, 8)))
     return config, requests, resets
@@ -158,9 +329,10 @@ def ordered_workloads(draw):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ordered_workloads())
 def test_admission_orders_keep_streams_exact_and_release_every_block(workload):
-    """Only the order changes: every stream is the one its request produces alone (so the same
-    as under the policy's own order), whatever the preemptions, aborts, chunking and cache hits,
-    and afterwards every block is free and every queue empty (check_workload asserts both)."""
+    """Only the order changes, one order or several combined: every stream is the one its
+    request produces alone (so the same as under the policy's own order), whatever the
+    preemptions, aborts, chunking and cache hits, and afterwards every block is free and every
+    queue empty (check_workload asserts both)."""
     check_workload(*workload)
 
 
@@ -173,7 +345,7 @@ def aging_workloads(draw):
     policy = draw(st.sampled_from(sorted(BAND)))
     config = dict(policy=policy, max_num_batched_tokens=draw(st.integers(8, 32)),
                   max_num_seqs=draw(st.integers(1, 4)), block_size=2, num_blocks=draw(st.integers(16, 40)),
-                  composition=CompositionConfig(draw(st.sampled_from(ADMISSION_ORDERS[1:])),
+                  composition=CompositionConfig(draw(combinations()),
                                                 draw(st.sampled_from([0.0, 2.0, 5.0, 1e9])), window=64))
     requests = []
     for i in range(draw(st.integers(2, 14))):
@@ -189,10 +361,10 @@ def aging_workloads(draw):
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(aging_workloads())
 def test_no_request_is_passed_by_a_later_arrival_of_its_band_once_it_waited_the_bound(workload):
-    """The guarantee, with the whole band in the window (admission_window >= the queue): in a
-    step that admits request x, no request y of x's band (fcfs: all; priority: equal priority;
-    vtc: same tenant) that arrived before x and has waited at least admission_max_wait is left
-    waiting. So once a request has waited the bound, it waits no longer than its policy order
+    """The guarantee, for one order or several combined, with the whole band in the window
+    (admission_window >= the queue): in a step that admits request x, no request y of x's band
+    (fcfs: all; priority: equal priority; vtc: same tenant) that arrived before x and has waited
+    at least admission_max_wait is left waiting. So once a request has waited the bound, it waits no longer than its policy order
     gives it behind the requests that arrived before it. Also: under `priority` no waiting
     request of more importance (smaller priority) is ever left behind an admitted one."""
     config, specs = workload

@@ -31,7 +31,7 @@ def admission_sequence(llm, prompts) -> tuple[list[list[int]], list[str]]:
     return [o.outputs[0].token_ids for o in outs], first_seen
 
 
-@pytest.mark.parametrize("order", ["cache-aware", "length-aware"])
+@pytest.mark.parametrize("order", ["cache-aware", "length-aware", ("length-aware", "cache-aware")])
 def test_admission_orders_keep_greedy_outputs_equal_to_transformers(make_llm, tiny_model_dir, order):
     from tests.model.tiny_models import VOCAB_SIZE
 
