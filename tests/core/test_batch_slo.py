@@ -401,6 +401,32 @@ def test_in_the_scheduler_a_knee_holds_the_cap_under_it_and_nothing_is_preempted
 
 
 
+def test_a_knee_is_held_when_most_steps_carry_a_prompt_chunk():
+    # Steady arrivals: about three steps in four carry a prompt chunk. Judging the knee on
+    # decode-only steps alone (to keep a prefill-undercounting profile from looking like one)
+    # lost it here: the limit cycle came back (p99 ITL 160 ms, some 1,200 cap changes, median
+    # cap 7). Steps with chunks are compared among themselves.
+    rng = random.Random(0)
+    requests = [make_request(f"r{i}", rng.randrange(20, 200), max_tokens=rng.randrange(20, 60)) for i in range(1500)]
+    t, arrivals = 0.0, []
+    for _ in requests:
+        t += rng.expovariate(12.0)
+        arrivals.append(t)
+    s = _scheduler(num_blocks=8000)
+    trace = _run(s, requests, arrivals, world=lambda comp: _knee(0, comp))
+    late = [(limits.max_num_seqs, running, now) for limits, running, _, now, *_ in trace
+            if 20.0 < now < trace[-1][3] - 20.0]  # loaded: not the first 20 s nor the last
+    caps = [cap for cap, *_ in late]
+    itls = [(b[2] - a[2], a[1]) for a, b in zip(late, late[1:])]
+    assert weighted_quantile(itls, 0.99) <= 0.1
+    assert statistics.median(caps) == 8 and s.batch_controller.broken_num_seqs == 9
+    assert sum(1 for a, b in zip(caps, caps[1:]) if a != b) <= 100  # 51 (the cycle: some 1,200)
+    assert sum(p for _, _, p, *_ in trace) == 0
+    for r in requests:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+    assert_no_leaks(s)
+
+
 def test_a_profile_that_undercounts_prefill_is_not_taken_for_a_knee():
     # No knee: decode rows cost what the model says, prompt chunks three times its token term
     # (a wrong profile, the correction's job). Early on every step of two or more rows carried

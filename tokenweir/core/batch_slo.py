@@ -32,21 +32,23 @@ steps past the knee and shrinks every prediction, under the knee it falls back, 
 crosses the knee again. When, among the decode-only steps the p99 covers, every step of the
 smallest batch that broke the target or a larger one took at least `KNEE_STEP` more over the
 model's own prediction than every smaller one did, the controller remembers that batch
-(`broken_num_seqs`, in its stats) and holds the cap under it instead of shrinking the aim. Only
-steps of decode rows alone are compared: a step that carries a prompt chunk differs from one
-that does not by more than its batch (early on, every larger batch has an admission's chunk in
-it and every single-row step is a lone decode), so a profile that undercounts prefill would
-look like a knee at two rows and pin the cap at one. A knee is also a claim about batch size
+(`broken_num_seqs`, in its stats) and holds the cap under it instead of shrinking the aim. Steps
+are compared like with like: those carrying a prompt chunk among themselves, those of decode
+rows alone among themselves. A step with a chunk differs from one without by more than its
+batch (early on, every larger batch has an admission's chunk in it and every single-row step is
+a lone decode), so across the two kinds a profile that undercounts prefill would look like a
+knee at two rows and pin the cap at one; and under steady arrivals almost every step carries a
+chunk, so the knee must be found among those too. A knee is also a claim about batch size
 against time: while a batch grows, its larger batches are its later steps, and a slowdown that
 comes then (the machine busy) looks like a knee. So a newly remembered knee must show again
 under the held cap: the median of the first `KNEE_CONFIRM_STEPS` steps since the hold (all
 under the knee) over the model's prediction must be `KNEE_STEP` under the knee's; if they are as
-slow (the slowdown was in time), the knee is forgotten at once and the aim shrinks as for any
-tail. It probes one sequence more after
-`PROBE_WINDOWS` windows; a probe that breaks the target again, or whose decode-only batches serve
-fewer rows per second than the held cap's (a knee within the target that costs more than its
-rows bring), doubles the wait (up to `MAX_PROBE_WINDOWS`); one that does neither for a window
-forgets the knee.
+slow (the slowdown was in time), the knee is forgotten at once (back to a confirmed larger one,
+if one was held) and the next violation shrinks the aim as for any tail. It probes one sequence
+more after `PROBE_WINDOWS` windows; a probe that breaks the target again, or whose batches serve
+fewer rows per second than the held cap's of the same kind (a knee within the target that costs
+more than its rows bring), doubles the wait (up to `MAX_PROBE_WINDOWS`); one that does neither
+for a window forgets the knee (with nothing of the held cap to compare with, it goes on).
 
 The cap grows by at most `GROWTH` per interval over the most requests that actually ran: a
 cap far above the running count (light load) would let a load step fill the batch at once,
@@ -262,10 +264,10 @@ class SLOBatchController(BatchController):
         self.limits = StepLimits(config.initial_num_batched_tokens or max(self.min_num_batched_tokens,
                                                                           config.initial_num_seqs or 1),
                                  config.initial_num_seqs or config.min_num_seqs)
-        # (step end, period, rows, the cost model's own prediction of the step, its batch: decode
-        # rows of a step of decode rows alone, 0 for a step with a prompt chunk, which is not
-        # compared by batch size: see the knee in the module docstring)
-        self._itl: deque[tuple[float, float, int, float, int]] = deque()
+        # (step end, period, rows, the cost model's own prediction of the step, seqs in the step,
+        # whether it carried a prompt chunk: steps are compared by batch size only with their
+        # own kind, see the knee in the module docstring)
+        self._itl: deque[tuple[float, float, int, float, int, bool]] = deque()
         self._ttft: deque[tuple[float, float]] = deque()  # (time, ttft)
         self._next_adjust: Optional[float] = None
         self._context_per_request = 0.0
@@ -287,8 +289,10 @@ class SLOBatchController(BatchController):
         # The smallest measured / model-predicted period of the steps that showed the knee, and
         # when the cap began to be held under it: the held steps must be faster (see above).
         self._knee_ratio = math.inf
+        self._knee_chunked = False  # the kind of steps that showed it
         self._held_since = -math.inf
         self._knee_confirmed = False
+        self._fallback: Optional[int] = None  # a confirmed knee a newer, smaller one replaced
         # Rows per second of the held cap's steps, at the last adjustment before a probe (the
         # probe's window may hold none of them, its batch filled by the probed size).
         self._held_before: Optional[float] = None
@@ -324,7 +328,7 @@ class SLOBatchController(BatchController):
         if period is not None:
             comp = obs.composition
             self._itl.append((obs.now, period, obs.num_itl_rows, self.timing.predicted,
-                              0 if comp.num_prefill_seqs else comp.num_decode_seqs))
+                              comp.num_decode_seqs + comp.num_prefill_seqs, comp.num_prefill_seqs > 0))
         for ttft in obs.ttfts:
             self._ttft.append((obs.now, ttft))
         if obs.num_running:
@@ -352,7 +356,7 @@ class SLOBatchController(BatchController):
             self._ttft.popleft()
         since = [step for step in self._itl if step[0] > self._moved_at]
         enough = len(since) >= MIN_STEPS
-        self.p99_itl = p99 = weighted_quantile(((p, n) for _, p, n, _, _ in since), PERCENTILE) if enough else None
+        self.p99_itl = p99 = weighted_quantile(((p, n) for _, p, n, *_ in since), PERCENTILE) if enough else None
         ceiling = self.target * (1 - h / 4)
         violated = p99 is not None and p99 > ceiling
         self._confirm_knee()
@@ -361,7 +365,8 @@ class SLOBatchController(BatchController):
             if knee is not None:
                 # The tail is the larger batches' alone: holding the cap under them removes it,
                 # so the aim stays (shrinking it too would cut the batches that met the target).
-                self._hold_under(*knee, now)
+                broken, ratio, chunked = knee
+                self._hold_under(broken, ratio, now, chunked)
             else:
                 self.bias = max(BIAS_RANGE[0], self.bias * max(0.5, ceiling / p99))
             self._moved_at = now
@@ -373,7 +378,7 @@ class SLOBatchController(BatchController):
             # measure short, and an aim grown on them overshoots once chunks join the rows
             # (every admission brings one). The scaled one alone misses steps the aim's
             # prediction undercounts (a chunk deep in a long prompt), which the measured p99 sees.
-            tail = weighted_quantile(((p / pred, n) for _, p, n, pred, _ in since if pred > 0),
+            tail = weighted_quantile(((p / pred, n) for _, p, n, pred, *_ in since if pred > 0),
                                      PERCENTILE) if enough else None
             expected = None if p99 is None or tail is None else max(
                 p99, tail / self.timing.ratio * self.target * self.bias)
@@ -413,24 +418,29 @@ class SLOBatchController(BatchController):
         self.limits = StepLimits(max(settle(tokens, current.max_num_batched_tokens), seqs), seqs)
 
     @staticmethod
-    def _broken_batch(steps: list[tuple[float, float, int, float, int]],
-                      ceiling: float) -> Optional[tuple[int, float]]:
-        """(The smallest batch of the decode-only steps over `ceiling`, the smallest measured /
-        predicted period of the steps of that batch or larger) if the tail is in the
-        batch size: some decode-only steps had fewer rows, and every one of that many rows or
-        more took more over the cost model's prediction than every one of them, by KNEE_STEP at
-        least (a knee the model's shape lacks, which the one correction ratio, learnt on the
-        batches below it, cannot predict; over the model's own prediction, not the corrected
-        one, so that a ratio still converging is not taken for a knee). None otherwise: a tail
-        at any batch size, in steps with prompt chunks, or in longer steps the model foresaw,
-        is the aim's to shorten."""
-        over = [seqs for _, p, _, pred, seqs in steps if seqs and p > ceiling and pred > 0]
-        if not over:
-            return None
-        knee = min(over)
-        below = [p / pred for _, p, _, pred, seqs in steps if 0 < seqs < knee and pred > 0]
-        above = [p / pred for _, p, _, pred, seqs in steps if seqs >= knee and pred > 0]
-        return (knee, min(above)) if below and min(above) > max(below) * (1 + KNEE_STEP) else None
+    def _broken_batch(steps: list[tuple[float, float, int, float, int, bool]],
+                      ceiling: float) -> Optional[tuple[int, float, bool]]:
+        """(The smallest batch over `ceiling`, the smallest measured / predicted period of the
+        steps of that batch or larger, whether they carried prompt chunks) if, among the steps of
+        one kind (with chunks, or decode rows alone), the tail is in the batch size: some steps
+        of that kind had fewer seqs, and every one of that many seqs or more took more over the
+        cost model's prediction than every one of them, by KNEE_STEP at least (a knee the
+        model's shape lacks, which the one correction ratio, learnt on the batches below it,
+        cannot predict; over the model's own prediction, not the corrected one, so that a ratio
+        still converging is not taken for a knee). None otherwise: a tail at any batch size, or
+        in longer steps the model foresaw, is the aim's to shorten."""
+        found: Optional[tuple[int, float, bool]] = None
+        for chunked in (False, True):
+            kind = [(p, pred, seqs) for _, p, _, pred, seqs, c in steps if c is chunked and pred > 0]
+            over = [seqs for p, _, seqs in kind if p > ceiling]
+            if not over:
+                continue
+            knee = min(over)
+            below = [p / pred for p, pred, seqs in kind if seqs < knee]
+            above = [p / pred for p, pred, seqs in kind if seqs >= knee]
+            if below and min(above) > max(below) * (1 + KNEE_STEP) and (found is None or knee < found[0]):
+                found = (knee, min(above), chunked)
+        return found
 
     def _confirm_knee(self) -> None:
         """A knee just remembered stays only if the steps under the held cap are faster than its
@@ -441,14 +451,16 @@ class SLOBatchController(BatchController):
             return
         # The first steps under the hold, right after the knee showed: a slowdown in time is
         # still on then (later ones would tell only whether it has passed).
-        held = sorted([p / pred for t, p, _, pred, seqs in self._itl
-                       if t > self._held_since and 0 < seqs < broken and pred > 0][:KNEE_CONFIRM_STEPS])
+        held = sorted([p / pred for t, p, _, pred, seqs, chunked in self._itl
+                       if t > self._held_since and seqs < broken and chunked is self._knee_chunked
+                       and pred > 0][:KNEE_CONFIRM_STEPS])
         if len(held) < KNEE_CONFIRM_STEPS:
             return
         if held[len(held) // 2] * (1 + KNEE_STEP) < self._knee_ratio:
-            self._knee_confirmed = True
-        else:
-            self.broken_num_seqs, self._probe_windows = None, PROBE_WINDOWS
+            self._knee_confirmed, self._fallback = True, None
+        else:  # back to the confirmed knee it replaced, if any
+            self.broken_num_seqs, self._probe_windows = self._fallback, PROBE_WINDOWS
+            self._knee_confirmed, self._fallback = self._fallback is not None, None
 
     def _end_probe(self, now: float) -> None:
         """A window after a probe began without breaking the target: were batches of
@@ -459,38 +471,45 @@ class SLOBatchController(BatchController):
         broken = self.broken_num_seqs
         if broken is None:
             return
-        large = [(p, n) for t, p, n, _, seqs in self._itl if t > self._probe_since and seqs >= broken]
+        kind = self._knee_chunked
+        large = [(p, n) for t, p, n, _, seqs, chunked in self._itl
+                 if t > self._probe_since and seqs >= broken and chunked is kind]
         if not large:
             return  # no batch that large ran yet (load fell): the probe goes on
         held = self._held_rate()
         if held is None:
             held = self._held_before
-        # Nothing to compare with (no smaller batch ran in the window nor before the probe): a
-        # window within the target is all the probe can show.
-        if held is None or _rate(large) > held:
+        if held is None:
+            return  # nothing of the held cap to compare with: the probe goes on
+        if _rate(large) > held:
             self.broken_num_seqs, self._probing, self._probe_windows = None, False, PROBE_WINDOWS
         else:
             self._hold_under(broken, None, now)
 
     def _held_rate(self) -> Optional[float]:
-        """Rows per second of the window's decode-only steps at the largest batch under
-        broken_num_seqs (like with like: the probe's batches are counted the same way)."""
-        broken = self.broken_num_seqs
-        held = max((seqs for *_, seqs in self._itl if broken is not None and 0 < seqs < broken), default=None)
-        return None if held is None else _rate([(p, n) for _, p, n, _, seqs in self._itl if seqs == held])
+        """Rows per second of the window's steps at the largest batch under broken_num_seqs, of
+        the knee's kind (like with like: the probe's batches are counted the same way)."""
+        broken, kind = self.broken_num_seqs, self._knee_chunked
+        held = max((seqs for *_, seqs, chunked in self._itl if broken is not None and seqs < broken
+                    and chunked is kind), default=None)
+        return None if held is None else _rate([(p, n) for _, p, n, _, seqs, chunked in self._itl
+                                                if seqs == held and chunked is kind])
 
-    def _hold_under(self, broken: int, ratio: Optional[float], now: float) -> None:
+    def _hold_under(self, broken: int, ratio: Optional[float], now: float, chunked: bool = False) -> None:
         """Hold the cap under `broken` seqs, which broke the target where fewer met it (`ratio`:
-        the smallest measured / predicted period of those steps; None: a probe showed it was
-        not worth its rows). Without the memory the limit cycles: the correction ratio, raised
+        the smallest measured / predicted period of those steps, `chunked` their kind; None: a
+        probe showed it was not worth its rows). Without the memory the limit cycles: the correction ratio, raised
         by the broken steps, shrinks the cap; under the knee it falls back; the model's cap then
         crosses the knee again."""
         if self._probing:  # it broke again: the knee is still there, probe it less often
             self._probe_windows = min(MAX_PROBE_WINDOWS, 2 * self._probe_windows)
             self._knee_confirmed = True
         elif ratio is not None and (self.broken_num_seqs is None or broken < self.broken_num_seqs):
-            # A new knee (or a smaller one): it must show again under the held cap.
-            self._knee_ratio, self._held_since, self._knee_confirmed = ratio, now, False
+            # A new knee (or a smaller one): it must show again under the held cap; a confirmed
+            # one it replaces is what a rejection goes back to.
+            if self._knee_confirmed:
+                self._fallback = self.broken_num_seqs
+            self._knee_ratio, self._knee_chunked, self._held_since, self._knee_confirmed = ratio, chunked, now, False
         held = self.broken_num_seqs
         self.broken_num_seqs = broken if held is None or self._probing else min(held, broken)
         self._probing = False
