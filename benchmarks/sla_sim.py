@@ -258,6 +258,14 @@ def pct(values: list[float]) -> str:
     return f"{mean:.1%} ({lo:.1%}-{hi:.1%})" if len(values) > 1 else f"{mean:.1%}"
 
 
+def interactive_cells(runs: list[dict]) -> str:
+    """The interactive class's SLO, TTFT and TPOT attainment and goodput over `runs`, as table
+    cells (both overload tables have them)."""
+    inter = [r["classes"]["interactive"] for r in runs]
+    return (f"{pct([c['slo_attainment'] for c in inter])} | {pct([c['ttft_attainment'] for c in inter])} "
+            f"| {pct([c['tpot_attainment'] for c in inter])} | {sum(c['goodput'] for c in inter) / len(inter):.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loads", type=float, nargs="+", default=[1.5, 2.0, 3.0])
@@ -326,11 +334,8 @@ def main() -> None:
         for load in ns.loads:
             for name in POLICIES:
                 runs = [r for r in report["overload"] if r["shape"] == shape and r["policy"] == name and r["load"] == load]
-                inter = [r["classes"]["interactive"] for r in runs]
                 batch = [r["classes"]["batch"] for r in runs]
-                print(f"| x{load:g} | {name} | {pct([c['slo_attainment'] for c in inter])} "
-                      f"| {pct([c['ttft_attainment'] for c in inter])} | {pct([c['tpot_attainment'] for c in inter])} "
-                      f"| {sum(c['goodput'] for c in inter) / len(inter):.3f} "
+                print(f"| x{load:g} | {name} | {interactive_cells(runs)} "
                       f"| {pct([c['slo_attainment'] for c in batch])} "
                       f"| {sum(c['completed'] for c in batch)}/{sum(c['requests'] for c in batch)} "
                       f"| {max(c['max_e2el_ms'] for c in batch) / 1e3:.0f} "
@@ -372,11 +377,8 @@ def main() -> None:
     for label, correction_label, runs in rows:
         if not runs:
             continue
-        inter = [r["classes"]["interactive"] for r in runs]
         batch = [r["classes"]["batch"] for r in runs]
-        print(f"| {label} | {correction_label} | {pct([c['slo_attainment'] for c in inter])} "
-              f"| {pct([c['ttft_attainment'] for c in inter])} | {pct([c['tpot_attainment'] for c in inter])} "
-              f"| {sum(c['goodput'] for c in inter) / len(inter):.3f} | {pct([c['slo_attainment'] for c in batch])} "
+        print(f"| {label} | {correction_label} | {interactive_cells(runs)} | {pct([c['slo_attainment'] for c in batch])} "
               f"| {sum(c['goodput'] for c in batch) / len(batch):.3f} "
               f"| {sum(r['num_preemptions'] for r in runs) / len(runs):.0f} |")
 
