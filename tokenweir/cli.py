@@ -42,12 +42,15 @@ def add_engine_args(parser: argparse.ArgumentParser, sweep: bool = False,
 
 
 def _sweep_type(kind: Any, flag: str) -> Any:
+    # Values are split on ";" when the text has one, else on ",": a value whose own syntax has
+    # commas (`--admission-order cache-aware,sampling-grouped`, `--vtc-tenant-weights a=2,b=1`)
+    # is then swept as one value.
     def parse(text: str) -> list[Any]:
         try:
-            return [kind(v.strip()) for v in text.split(",")]
+            return [kind(v.strip()) for v in text.split(";" if ";" in text else ",")]
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated {kind.__name__} values, "
-                                             f"got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"{flag} takes comma-separated {kind.__name__} values "
+                                             f"(or ';'-separated ones), got {text!r}") from None
     return parse
 
 

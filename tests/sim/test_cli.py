@@ -146,3 +146,21 @@ def test_search_refuses_a_rate_step_and_simulate_replays_one(tmp_path, capsys) -
           "--result-filename", "s.json", *stepped])
     data = json.loads((tmp_path / "s.json").read_text())
     assert data["rate_step"] == "3:2" and data["completed"] == 6
+
+
+
+def test_search_sweeps_values_that_contain_commas_separated_by_semicolons(tmp_path) -> None:
+    # A combination order and tenant weights have commas of their own: ';' separates the values.
+    profile = write_profile(tmp_path / "p.json", cost_model(step=0.01))
+    main(["simulate", "search", "--profile", str(profile), *WORKLOAD, "--goodput", "ttft:1000",
+          "--search-iterations", "2", "--enable-prefix-caching",
+          "--admission-order", "policy;cache-aware,sampling-grouped", "--max-num-seqs", "4,8",
+          "--result-dir", str(tmp_path), "--result-filename", "s.json"])
+    swept = {(c["engine_args"]["admission_order"], c["engine_args"]["max_num_seqs"])
+             for c in json.loads((tmp_path / "s.json").read_text())["capacities"]}
+    assert swept == {(o, n) for o in ("policy", "cache-aware,sampling-grouped") for n in (4, 8)}
+    main(["simulate", "search", "--profile", str(profile), *WORKLOAD, "--goodput", "ttft:1000",
+          "--search-iterations", "2", "--scheduling-policy", "vtc",
+          "--vtc-tenant-weights", "a=1,b=1; a=2,b=1", "--result-dir", str(tmp_path), "--result-filename", "v.json"])
+    weights = [c["engine_args"]["vtc_tenant_weights"] for c in json.loads((tmp_path / "v.json").read_text())["capacities"]]
+    assert sorted(weights) == ["a=1,b=1", "a=2,b=1"]
