@@ -181,9 +181,11 @@ def static_key(request: Request, cfg: SLAConfig) -> float:
             - cfg.aging_rate * request.arrival_time)
 
 
-@dataclass(frozen=True)
+@dataclass
 class ScoreParts:
-    """One request's score, term by term (what debug logs and get_stats() show)."""
+    """One request's score, term by term (what debug logs and get_stats() show). Not frozen:
+    one is built for every request popped (5 a step under churn), and a frozen dataclass sets
+    each of its 11 fields through object.__setattr__, several times the cost of a plain one."""
 
     base: float  # -priority * base_weight
     urgency: float  # 0..1, 1 at the due time
