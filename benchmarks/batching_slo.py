@@ -236,6 +236,14 @@ def measured_series(bench: dict[str, Any], arrivals: Sequence[float], gauges: li
     return {"steps": steps, "finished": finished, "end": end}
 
 
+def round_order(configs: dict[str, Any], i: int) -> list[str]:
+    """The configurations in the order round i runs them: rotated by one per round, so a machine
+    that drifts within a command favours none by its place (slo ran first in every round before)."""
+    names = list(configs)
+    k = i % len(names)
+    return names[k:] + names[:k]
+
+
 def parse_statics(text: str) -> list[tuple[int, int]]:
     """"1024/32,128/64" -> [(1024, 32), (128, 64)] (max_num_batched_tokens / max_num_seqs)."""
     pairs = []
@@ -296,9 +304,10 @@ def confirm_real(ns: argparse.Namespace) -> None:
         # Interleaved rounds (every configuration once per round): on a shared machine a
         # difference counts only if it holds in each round.
         for i in range(ns.repeats):
-            entry["rounds"].append({
-                name: serve_and_bench(flags, workload, work, f"{name.replace('/', '-')}-{scale:g}-{i}")[0]
-                for name, (flags, _) in configs.items()})
+            results = {name: serve_and_bench(configs[name][0], workload, work,
+                                             f"{name.replace('/', '-')}-{scale:g}-{i}")[0]
+                       for name in round_order(configs, i)}
+            entry["rounds"].append({name: results[name] for name in configs})
             sim["real"] = real  # written after every round: a cut-off command keeps what it measured
             ns.output.write_text(json.dumps(sim, indent=1) + "\n")
         print(json.dumps(entry, indent=1), file=sys.stderr)
@@ -333,8 +342,8 @@ def confirm_real_step(ns: argparse.Namespace, sim: dict, real: dict[str, Any], c
     real.setdefault("steps", []).append(entry)
     for i in range(ns.repeats):
         runs = {}
-        for name, (flags, _) in configs.items():
-            out, bench = serve_and_bench(flags, workload, work, f"step-{name.replace('/', '-')}-{i}", poll=True)
+        for name in round_order(configs, i):
+            out, bench = serve_and_bench(configs[name][0], workload, work, f"step-{name.replace('/', '-')}-{i}", poll=True)
             w = windowed(measured_series(bench, arrivals, out["gauge_series"]), window)
             after_step = [v for t, v in zip(w["t"], w["p99_itl_ms"]) if t >= change_at and v is not None]
             runs[name] = out | {
@@ -343,10 +352,10 @@ def confirm_real_step(ns: argparse.Namespace, sim: dict, real: dict[str, Any], c
                 "points_after_step": len(after_step),  # of windowed's 300 time points
                 "points_after_step_over_target": sum(v > ns.target_tpot_ms for v in after_step),
                 "series": w}
-        entry["rounds"].append(runs)
+        entry["rounds"].append({name: runs[name] for name in configs})
         sim["real"] = real
         ns.output.write_text(json.dumps(sim, indent=1) + "\n")
-        plot({name: run["series"] for name, run in runs.items()}, change_at, ns.target_tpot_ms,
+        plot({name: runs[name]["series"] for name in configs}, change_at, ns.target_tpot_ms,
              OUT / "batching_plots" / f"slo_step_real_{i + 1}.png",
              title=f"real engine (tokenweir serve, round {i + 1}): slo after a load step "
                    f"x{before:g} -> x{after:g}",
@@ -369,7 +378,7 @@ def main() -> None:
     ap.add_argument("--max-output-len", type=int, default=256)
     ap.add_argument("--output", type=Path, default=OUT / "batching_slo.json")
     ap.add_argument("--real", action="store_true", help="confirm on the real engine (see above)")
-    ap.add_argument("--repeats", type=int, default=1, help="--real: rounds per rate (slo, then each static)")
+    ap.add_argument("--repeats", type=int, default=1, help="--real: rounds per rate (slo and each static, the order rotated per round)")
     ap.add_argument("--statics", default="",
                     help="--real: static pairs to run against slo, e.g. 1024/32,2048/64 (default: the "
                          "simulated sweep's best static at that rate)")

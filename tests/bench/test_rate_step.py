@@ -41,3 +41,13 @@ def test_settling_is_the_last_window_over_the_bound_and_none_if_the_run_ends_ove
     assert batching_slo.settle_time(w, 3.5, 250.0) == 0.0
     w["p99_itl_ms"][3] = 260.0
     assert batching_slo.settle_time(w, 1.5, 250.0) is None
+
+
+def test_real_rounds_rotate_the_order_of_the_configurations_and_record_them_in_one_order():
+    # On a machine that drifts within a command, the configuration run first in every round
+    # gains: each one is first equally often, and every round's record keeps the given order.
+    configs = {"slo": None, "256/32": None, "1024/32": None}
+    orders = [batching_slo.round_order(configs, i) for i in range(6)]
+    assert orders[:3] == [["slo", "256/32", "1024/32"], ["256/32", "1024/32", "slo"], ["1024/32", "slo", "256/32"]]
+    assert orders[3:] == orders[:3]
+    assert all(sorted(o) == sorted(configs) for o in orders)
