@@ -265,3 +265,86 @@ def test_served_idle_tenants_are_pruned_too_and_the_floor_survives_it():
     counters._prune()  # a second pass after it left again: the kept value holds
     counters.add_waiting("new")
     assert counters.counter("new") == 50.0
+
+
+def test_a_step_s_admissions_alternate_between_tenants_as_each_admission_is_counted():
+    # Charged only after the step, the tenant behind took every slot of a step (a0..a7 here);
+    # each admission counts its prompt provisionally, so the step alternates, as VTC's
+    # admission-time charge does, and the step's charge then counts what was computed.
+    policy = VTCPolicy()
+    s = create_scheduler(policy=policy, max_num_batched_tokens=256, max_num_seqs=8, num_blocks=512)
+    for i in range(8):
+        s.add_request(_req(f"a{i}", "A", prompt_len=16))
+        s.add_request(_req(f"b{i}", "B", prompt_len=16))
+    runner = PagedFakeRunner(s.block_size)
+    out = step(s, runner, now=0.0)
+    assert list(out.num_scheduled_tokens) == ["a0", "b0", "a1", "b1", "a2", "b2", "a3", "b3"]
+    # What was computed, charged once: 4 prompts of 16 and each one's first token (weight 2).
+    assert policy.counters.counter("A") == policy.counters.counter("B") == 4 * 16 + 4 * 2
+    s.abort_requests(list(s.requests))
+    assert_no_leaks(s)
+
+
+@pytest.mark.parametrize("make_queue", ["vtc", "sla"])
+def test_a_request_put_back_keeps_its_tenant_s_counter_only_an_arrival_is_lifted(make_queue):
+    # A's only request was taken for admission (A leaves the backlog), ran a chunk (A = 10)
+    # while B, backlogged, was served 500. Preempted, it goes back to wait: A was not idle and
+    # is owed that service, so no lift to B's 500 (which erased it); a new arrival of an idle
+    # tenant is still lifted.
+    from tokenweir.core.policies import SLAConfig, SLAPolicy
+    policy = VTCPolicy() if make_queue == "vtc" else SLAPolicy(SLAConfig(tenant_fairness=True))
+    queue, counters = policy.make_waiting_queue(), policy.counters
+    a, b = _req("a", "A", prompt_len=10), _req("b", "B", prompt_len=500)
+    queue.add(a)
+    queue.add(b)
+    assert queue.pop() is a  # ties: the earlier entry
+    assert counters.counter("A") == 10.0  # its prompt, provisionally (this step)
+    counters.charge([_served(a, 0, 10), _served(_req("b-old", "B", prompt_len=500), 0, 500)])
+    assert (counters.counter("A"), counters.counter("B")) == (10.0, 500.0)
+    a.max_computed_tokens = 10
+    queue.push_front(a)  # a recompute preemption
+    assert counters.counter("A") == 10.0 and counters.is_backlogged("A")
+    assert queue.pop() is a and counters.counter("A") == 10.0  # nothing left to charge: computed before
+    queue.push_front(a)  # passed over in the same step: its (zero) provisional charge undone
+    assert counters.counter("A") == 10.0
+    queue.add(_req("c", "C"))  # an idle tenant arriving: lifted to the smallest backlogged (A)
+    assert counters.counter("C") == 10.0
+
+
+def test_a_provisional_charge_is_taken_back_when_the_request_goes_back_and_replaced_by_the_computed():
+    counters = VirtualTokenCounters(VTCConfig(input_weight=1.0, tenant_weights={"gold": 2.0}))
+    queue = VTCPolicy(counters.config).make_waiting_queue()
+    counters = queue.counters
+    r = _req("g", "gold", prompt_len=40)
+    queue.add(r)
+    assert queue.pop() is r and counters.counter("gold") == 20.0  # 40 prompt tokens at weight 2
+    queue.push_front(r)
+    assert counters.counter("gold") == 0.0
+    assert queue.pop() is r
+    counters.charge([_served(r, 0, 16)])  # a 16-token first chunk: what is charged
+    assert counters.counter("gold") == 8.0
+
+
+@pytest.mark.parametrize("running_tenant,waiting_tenant,displaced", [("light", "heavy", False), ("heavy", "light", True)])
+def test_sla_with_tenant_fairness_preempts_across_tenants_only_for_the_tenant_behind(running_tenant, waiting_tenant,
+                                                                                   displaced):
+    # One class, one slot. The waiting request's urgency (a TTFT SLO) outscores the running one
+    # by more than the margin; with tenant fairness the queue ranks tenants by VTC before
+    # scores, and so does preemption: "heavy", 5,000 units ahead, no longer displaces the
+    # tenant furthest behind (it did, and the victim's tenant then counted as far ahead).
+    from tokenweir.core.policies import SLAConfig, SLAPolicy
+    policy = SLAPolicy(SLAConfig(tenant_fairness=True))
+    s = create_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    s.add_request(Request("running", list(range(3000, 3004)), SamplingParams(max_tokens=40), arrival_time=0.0,
+                          eos_token_id=EOS, hints=SchedulingHints(tenant=running_tenant)))
+    step(s, runner, now=0.0)
+    policy.counters.charge([_served(_req("old", "heavy", prompt_len=5000), 0, 5000)])
+    s.add_request(Request("waiting", list(range(7000, 7004)), SamplingParams(max_tokens=4), arrival_time=0.05,
+                          eos_token_id=EOS, hints=SchedulingHints(tenant=waiting_tenant, ttft_slo=0.5)))
+    preempted = set()
+    for i in range(1, 20):
+        preempted |= step(s, runner, now=0.1 * i).preempted_req_ids
+    assert preempted == ({"running"} if displaced else set())
+    s.abort_requests(list(s.requests))
+    assert_no_leaks(s)

@@ -13,6 +13,15 @@ Theorem; with weights, counters are in weighted units).
 
 Tokens computed again after a recompute preemption and prefix-cache hits are not charged: the
 tenant did not ask for that work.
+
+The paper charges a request's input at admission; here the counters are charged with what each
+step computed, after it. So that the admissions of one step still alternate between tenants
+(charged after the step alone, the tenant behind would take every slot of a step whatever the
+prompts' sizes), a request taken from the queue for admission counts its prompt tokens not yet
+computed provisionally (`charge_admission`), until it goes back to the queue (`undo_admission`)
+or the step's `charge` replaces the provisional part by what was computed. Only a new arrival
+lifts a tenant: a request put back (passed over, preempted, swapped out) leaves its tenant's
+counter alone, as it was not idle and is owed the service it lost.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ from typing import Optional
 
 from tokenweir.checks import is_finite_number
 from tokenweir.core.policies.base import PolicyConfig, ServedRequest, served_rows
+from tokenweir.request import Request
 
 # Idle tenants (not backlogged) whose counters are kept before any is pruned: a deployment with
 # fewer never loses one; a client inventing tenant names cannot grow the counters past it.
@@ -111,6 +121,10 @@ class VirtualTokenCounters:
         # counter as it is then (the service it got since it was chosen included).
         self._last_chosen: Optional[Tenant] = None
         self._last_chosen_counter = 0.0  # its counter, kept should its entry be pruned
+        # This step's provisional charges (charge_admission): per request id (tenant, units),
+        # and their sum per tenant, which the counters hold on top of what was charged.
+        self._provisional: dict[str, tuple[Tenant, float]] = {}
+        self._pending: dict[Tenant, float] = {}
 
     def weight(self, tenant: Tenant) -> float:
         return self.config.tenant_weights.get(tenant, 1.0) if tenant is not None else 1.0
@@ -137,11 +151,16 @@ class VirtualTokenCounters:
     def backlogged(self) -> Iterable[Tenant]:
         return self._backlog.keys()
 
-    def add_waiting(self, tenant: Tenant) -> None:
-        """A request of `tenant` starts waiting; the lift rule applies if it was not backlogged."""
+    def add_waiting(self, tenant: Tenant, arrival: bool = True) -> None:
+        """A request of `tenant` starts waiting: a new arrival (`arrival`) or one put back. The
+        lift rule applies to an arrival whose tenant was not backlogged (to a request put back
+        only if its tenant's counter was pruned meanwhile): a lift raises what was charged, the
+        step's provisional charges stay on top of it."""
         count = self._backlog.get(tenant, 0)
         if count == 0:
-            self.counters[tenant] = max(self.counter(tenant), self.floor())
+            if arrival or tenant not in self.counters:
+                pending = self._pending.get(tenant, 0.0)
+                self.counters[tenant] = max(self.counter(tenant) - pending, self.floor()) + pending
             self._push(tenant)
         self._backlog[tenant] = count + 1
 
@@ -166,7 +185,43 @@ class VirtualTokenCounters:
         for tenant in idle[:max(0, len(idle) - PRUNE_SLACK // 2)]:
             del self.counters[tenant]
 
+    def charge_admission(self, request: Request) -> None:
+        """`request` was taken from the queue to be admitted: its tenant counts its prompt tokens
+        not yet computed until the step's `charge` (see the module docstring)."""
+        units = self.config.input_weight * max(0, request.num_prompt_tokens - request.max_computed_tokens)
+        if units > 0:
+            tenant = request.tenant
+            units /= self.weight(tenant)
+            self._provisional[request.request_id] = (tenant, units)
+            self._shift(tenant, units)
+
+    def undo_admission(self, request: Request) -> None:
+        """`request` goes back to the queue: its provisional charge, if any, is taken back."""
+        entry = self._provisional.pop(request.request_id, None)
+        if entry is not None:
+            self._shift(entry[0], -entry[1])
+
+    def _shift(self, tenant: Tenant, units: float) -> None:
+        pending = self._pending.get(tenant, 0.0) + units
+        if abs(pending) < 1e-9:  # every provisional charge of the tenant taken back
+            self._pending.pop(tenant, None)
+        else:
+            self._pending[tenant] = pending
+        if tenant in self.counters:  # a pruned one restarts at the floor when charged
+            self.counters[tenant] += units
+            if tenant in self._backlog:
+                self._push(tenant)
+
     def charge(self, served: Sequence[ServedRequest]) -> None:
+        # The provisional charges of the step's admissions first come out: what was computed
+        # is charged instead.
+        for tenant, units in self._pending.items():
+            if tenant in self.counters:
+                self.counters[tenant] -= units
+                if tenant in self._backlog:
+                    self._push(tenant)
+        self._pending.clear()
+        self._provisional.clear()
         cfg = self.config
         w_in, w_out = cfg.input_weight, cfg.output_weight
         growth: dict[Tenant, float] = {}

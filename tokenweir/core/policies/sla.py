@@ -339,8 +339,16 @@ class SLAPolicy(SchedulingPolicy):
         # A request preempted before does not win its place back from its own class: each such
         # win is another request's lost work, and three of a kind in turn would form a cycle
         # that only max_preemptions ends (a less important victim it may still displace).
-        if waiting.num_preemptions and priority_class(waiting.priority, self.config.num_priority_classes) \
-                == priority_class(victim.priority, self.config.num_priority_classes):
+        same_class = (priority_class(waiting.priority, self.config.num_priority_classes)
+                      == priority_class(victim.priority, self.config.num_priority_classes))
+        if waiting.num_preemptions and same_class:
+            return False
+        # With tenant fairness the queue ranks a class's tenants by VTC before scores, and so does
+        # preemption: within a class, another tenant's request is displaced only for a tenant
+        # still behind it with this request's prompt counted (its provisional charge; else the
+        # two could take turns), and then by score as well.
+        if (self.counters is not None and same_class and waiting.tenant != victim.tenant
+                and not self.counters.counter(waiting.tenant) < self.counters.counter(victim.tenant)):
             return False
         return self.score(waiting, now) > self._running_score(victim, now) + self.config.preempt_margin
 

@@ -281,7 +281,9 @@ class SLAQueue(RequestQueue):
 
     def _put(self, request: Request, front: bool) -> None:
         if self.counters is not None:
-            self.counters.add_waiting(request.tenant)
+            if front:  # put back (passed over, preempted, swapped out): not a new arrival
+                self.counters.undo_admission(request)
+            self.counters.add_waiting(request.tenant, arrival=not front)
         if self.now - request.arrival_time >= self.cfg.max_wait:
             self._aged.appendleft(request) if front else self._aged.append(request)
             return
@@ -325,7 +327,10 @@ class SLAQueue(RequestQueue):
             if self.counters is not None:
                 self.counters.note_chosen(request.tenant)
         self._on_popped(request)
-        return self._left(request)
+        self._left(request)
+        if self.counters is not None:
+            self.counters.charge_admission(request)
+        return request
 
     def remove(self, request: Request) -> None:
         entry = self._entries.get(request.request_id)

@@ -32,7 +32,9 @@ class TenantQueue(RequestQueue):
         if queue is None:
             queue = self._queues[tenant] = deque()
         queue.appendleft(request) if front else queue.append(request)
-        self.counters.add_waiting(tenant)
+        if front:  # put back (passed over, preempted, swapped out): not a new arrival
+            self.counters.undo_admission(request)
+        self.counters.add_waiting(tenant, arrival=not front)
         self._len += 1
 
     def add(self, request: Request) -> None:
@@ -64,7 +66,9 @@ class TenantQueue(RequestQueue):
     def pop(self) -> Request:
         tenant = self._next_tenant()
         self.counters.note_chosen(tenant)
-        return self._take(tenant)
+        request = self._take(tenant)
+        self.counters.charge_admission(request)
+        return request
 
     def remove(self, request: Request) -> None:
         self._take(request.tenant, request)
@@ -83,6 +87,7 @@ class TenantQueue(RequestQueue):
         self.counters.note_chosen(tenant)
         queue = self._queues[tenant]
         self._take(tenant, None if queue[0] is request else request)
+        self.counters.charge_admission(request)
 
     def __len__(self) -> int:
         return self._len
