@@ -39,8 +39,7 @@ from tokenweir.bench.serve_metrics import RequestRecord
 from tokenweir.bench.slo_mix import class_report
 from tokenweir.cli import SIM_SKIPPED_ENGINE_ARGS, build_parser, engine_args_from
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
-from tokenweir.core.policies.fair_share import VTCConfig
-from tokenweir.core.policies.vtc import VTCPolicy
+from tokenweir.core.policies.fair_share import VirtualTokenCounters, VTCConfig
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
 from tokenweir.sim.run import profile_label, sim_requests
 from tokenweir.sim.simulator import Simulator
@@ -69,6 +68,9 @@ WRONG_SHAPE, WRONG_LOAD = "tight: ttft 1 s, tpot 150 ms", 1.5
 # heavy's 10x that, arrivals over this many seconds (the count is rate x window).
 BACKLOGGED_LIGHT_LOAD, BACKLOGGED_RATIO, BACKLOGGED_WINDOW_S = 0.75, 10, 120.0
 PARTS = ("overload", "tenants", "wrong-profile", "backlogged")
+# (d)'s policies: VTC alone, and as sla's fairness term (both tenants in one priority class).
+BACKLOGGED_POLICIES = {"fcfs": ["--scheduling-policy", "fcfs"], "vtc": ["--scheduling-policy", "vtc"],
+                       "sla (tenant fairness)": ["--scheduling-policy", "sla", "--sla-tenant-fairness"]}
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,9 +91,9 @@ class TenantServiceLog:
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        policy = scheduler.policy
-        self.vtc = policy if isinstance(policy, VTCPolicy) else None
-        cfg = self.vtc.config if self.vtc is not None else VTCConfig()
+        # The counters of vtc, or of sla with tenant fairness (its fairness term within a class).
+        self.counters: Optional[VirtualTokenCounters] = getattr(scheduler.policy, "counters", None)
+        cfg = self.counters.config if self.counters is not None else VTCConfig()
         self.input_weight, self.output_weight = cfg.input_weight, cfg.output_weight
         self.steps: list[StepService] = []
 
@@ -109,7 +111,7 @@ class TenantServiceLog:
             service[tenant] = service.get(tenant, 0.0) + self.input_weight * fresh + self.output_weight * sampled
             outputs[tenant] = outputs.get(tenant, 0) + sampled
         backlogged = frozenset(r.tenant for queue in (sched.waiting, sched.swapped) for r in queue)
-        counters = dict(self.vtc.counters.counters) if self.vtc is not None else None
+        counters = dict(self.counters.counters) if self.counters is not None else None
         self.steps.append(StepService(now, backlogged, service, outputs, counters))
 
     def step_bound(self) -> float:
@@ -196,11 +198,12 @@ def client_view(arrivals: Sequence[float], tenants: Sequence[Optional[str]], rec
 
 
 def simulate_backlogged(policy: str, seed: int, capacity: float, window_s: float = BACKLOGGED_WINDOW_S) -> dict:
-    """(d) in this process, with a TenantServiceLog on the simulator."""
+    """(d) in this process, with a TenantServiceLog on the simulator; `policy` a name of
+    BACKLOGGED_POLICIES."""
     light_rate = BACKLOGGED_LIGHT_LOAD * capacity
     rate = light_rate * (BACKLOGGED_RATIO + 1)
     num = round(rate * window_s)
-    argv = ["simulate", *WORKLOAD, "--num-prompts", str(num), "--scheduling-policy", policy,
+    argv = ["simulate", *WORKLOAD, "--num-prompts", str(num), *BACKLOGGED_POLICIES[policy],
             "--request-rate", f"{rate:.2f}", "--seed", str(seed),
             "--slo-mix", f"heavy:{BACKLOGGED_RATIO}:tenant=heavy", "light:1:tenant=light"]
     ns = build_parser().parse_args(argv)  # the later --num-prompts wins, as on the command line
@@ -319,7 +322,7 @@ def main() -> None:
                         report["wrong_profile"].append({"shape": WRONG_SHAPE, "load": WRONG_LOAD, "guard_scale": scale,
                                                         "correction": correction, **summary(result)})
     for seed in ns.seeds if "backlogged" in parts else ():
-        for policy in ("fcfs", "vtc"):
+        for policy in BACKLOGGED_POLICIES:
             report["backlogged"].append(simulate_backlogged(policy, seed, capacity))
     report["profile"] = report["overload"][0]["profile"]
     OUT.mkdir(parents=True, exist_ok=True)
