@@ -45,3 +45,14 @@ def test_the_extremes_accepted_are_ones_every_request_accepts():
     assert classes[0].hints() == SchedulingHints(priority=-2**31, tenant="t" * 256, ttft_slo=0.0005,
                                                  tpot_slo=1000.0, deadline=0.009)
     assert set(assign_classes(50, classes, seed=0)) == set(classes)
+
+
+def test_the_class_report_gives_each_class_its_longest_wait_for_a_first_token():
+    from tokenweir.bench.serve_metrics import RequestRecord
+    from tokenweir.bench.slo_mix import class_report, format_class_table
+    fast, slow = parse_slo_mix(["fast:1:ttft=1000", "slow:1"])
+    records = [RequestRecord(True, 8, 4, ttft=0.5, latency=1.0), RequestRecord(True, 8, 4, ttft=7.5, latency=9.0),
+               RequestRecord(True, 8, 4, ttft=30.0, latency=31.0), RequestRecord(False, 8, error="x")]
+    report = class_report(records, [fast, fast, slow, slow], duration_s=40.0)
+    assert report["fast"]["max_ttft_ms"] == 7500.0 and report["slow"]["max_ttft_ms"] == 30000.0
+    assert "max TTFT" in format_class_table(report).splitlines()[0]
