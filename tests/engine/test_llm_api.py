@@ -412,3 +412,14 @@ def test_time_comes_from_the_engines_monotonic_clock(make_llm, tiny_model_dir):
     m = final.metrics
     assert m.arrival_time == 100.0 and 100.0 < m.first_scheduled_time < m.first_token_time < m.finished_time < 120.0
     assert_engine_released(core)
+
+
+def test_a_request_shed_for_its_deadline_says_why(make_llm, tiny_model_dir):
+    # sla_drop_expired finishes a request whose deadline passed: LLM users get finish_reason
+    # "abort" (as for an abort) and, unlike for an abort, the reason; the other request runs on.
+    llm = make_llm(tiny_model_dir("llama"), scheduling_policy="sla", sla_drop_expired=True, **KV)
+    shed, kept = llm.generate(["one two three", "four five"], SamplingParams(max_tokens=200, ignore_eos=True),
+                              deadline=[0.001, None], use_tqdm=False)
+    assert shed.outputs[0].finish_reason == "abort" and shed.status_message.startswith("deadline exceeded: ")
+    assert kept.outputs[0].finish_reason == "length" and kept.status_message is None
+    assert len(kept.outputs[0].token_ids) == 200

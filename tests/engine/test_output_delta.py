@@ -14,8 +14,10 @@ def output(rid: str, tokens: list[int], text: str, logprobs, finished: bool) -> 
     completion = CompletionOutput(0, text, list(tokens), "length" if finished else None, None,
                                   None if logprobs is None else [dict(lp) for lp in logprobs],
                                   None if logprobs is None else -1.5 * len(tokens))
+    # A finished request says why when the engine ended it (a shed one): carried across too.
     return RequestOutput(rid, "prompt", [1, 2, 3], [completion], finished,
-                         RequestMetrics(0.0, 0.1, 0.2 if tokens else None, 1.0 if finished else None, 0, 0))
+                         RequestMetrics(0.0, 0.1, 0.2 if tokens else None, 1.0 if finished else None, 0, 0),
+                         f"reason of {rid}" if finished and len(tokens) % 2 else None)
 
 
 # Each step: new tokens, and what happens to the text: grows, or is cut back (a stop string).

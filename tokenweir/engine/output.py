@@ -45,6 +45,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # Why the engine ended it when no stop condition did (the scheduler shed it: "deadline
+    # exceeded: ..."; finish_reason "abort"); None otherwise, a user's abort included.
+    status_message: Optional[str] = None
 
 
 @dataclass
@@ -172,4 +175,4 @@ class OutputProcessor:
             num_preemptions=request.num_preemptions, num_cached_tokens=max(0, request.num_cached_tokens))
         return RequestOutput(request_id=request.request_id, prompt=state.prompt,
                              prompt_token_ids=list(request.prompt_token_ids), outputs=[completion],
-                             finished=request.is_finished, metrics=metrics)
+                             finished=request.is_finished, metrics=metrics, status_message=request.status_message)

@@ -29,6 +29,7 @@ class OutputDelta:
     cumulative_logprob: Optional[float]
     finished: bool
     metrics: RequestMetrics
+    status_message: Optional[str] = None
 
 
 class OutputDeltaEncoder:
@@ -48,7 +49,7 @@ class OutputDeltaEncoder:
             completion.token_ids[num_tokens:], kept, completion.text[kept:],
             None if completion.logprobs is None else completion.logprobs[num_logprobs:],
             completion.finish_reason, completion.stop_reason, completion.cumulative_logprob,
-            output.finished, output.metrics)
+            output.finished, output.metrics, output.status_message)
         if output.finished:
             self._sent.pop(rid, None)
         else:
@@ -86,7 +87,7 @@ class OutputDeltaDecoder:
         # The prompt ids are shared by a request's outputs (no one appends to them); the lists
         # that grow are new in every output, so an output a consumer holds never changes.
         output = RequestOutput(delta.request_id, prompt, prompt_token_ids, [completion], delta.finished,
-                               dataclasses.replace(delta.metrics))
+                               dataclasses.replace(delta.metrics), delta.status_message)
         if delta.finished:
             self._last.pop(delta.request_id, None)
         else:
