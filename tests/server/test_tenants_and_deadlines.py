@@ -109,6 +109,9 @@ def test_tenant_labels_reserved_ones_then_the_first_come_up_to_the_bound():
     (json.dumps({"k": "alpha", "k2": "t" * 257}), "the tenant of key #2 has 257 characters, more than 256"),
     ('{"k": "other"}', "the tenant of key #1 is 'other', the tenant metric label of the tenants past the label"),
     ('{"k": "none"}', "the tenant of key #1 is 'none', the tenant metric label of requests without a tenant"),
+    # json keeps the last of a key given twice: the key would be billed to the second tenant. The
+    # keys are secrets, so the error names their positions.
+    ('{"k1": "alpha", "k2": "gamma", "k1": "beta"}', "key #3 is key #1 again"),
 ])
 def test_a_bad_keys_file_is_refused(tmp_path, contents, message):
     path = tmp_path / "keys.json"
