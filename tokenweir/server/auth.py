@@ -103,7 +103,7 @@ class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_keys: dict[str, Optional[str]], guarded: tuple[str, ...]) -> None:
         """`api_keys`: key -> its tenant (None: a key that names none, `--api-key`)."""
         self.app = app
-        self.expected = [(f"Bearer {key}".encode(), tenant) for key, tenant in api_keys.items()]
+        self.expected = [(key.encode(), tenant) for key, tenant in api_keys.items()]
         self.guarded = guarded
 
     def _is_guarded(self, path: str) -> bool:
@@ -111,10 +111,11 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._is_guarded(scope["path"]):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer"  # RFC 7235: the scheme is case-insensitive
             matched, tenant = False, None
             for expected, key_tenant in self.expected:  # every key compared: no early exit to time
-                if secrets.compare_digest(given, expected):
+                if secrets.compare_digest(given, expected) and bearer:
                     matched, tenant = True, key_tenant
             if not matched:
                 error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
