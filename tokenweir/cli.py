@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import typing
 from typing import Any, Optional, Sequence
@@ -224,9 +225,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+LOGGING_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
 def configure_logging() -> None:
-    """The log format of every tokenweir process (the CLI's, and `serve`'s engine process)."""
+    """The log format of every tokenweir process (the CLI's, and `serve`'s engine process), and
+    the level of tokenweir's loggers from TOKENWEIR_LOGGING_LEVEL (as vLLM's VLLM_LOGGING_LEVEL;
+    default INFO). An environment variable, not a flag: the engine process is spawned with the
+    server's environment, so both honour it. Other libraries' loggers stay at INFO."""
+    level = os.environ.get("TOKENWEIR_LOGGING_LEVEL", "INFO").upper()
+    if level not in LOGGING_LEVELS:
+        raise ValueError(f"TOKENWEIR_LOGGING_LEVEL must be one of {', '.join(LOGGING_LEVELS)}, "
+                         f"got {os.environ['TOKENWEIR_LOGGING_LEVEL']!r}")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    logging.getLogger("tokenweir").setLevel(level)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Any:

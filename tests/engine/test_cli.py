@@ -73,3 +73,32 @@ def test_flag_types_follow_the_field_annotations():
     assert args.dtype == "float32" and args.enable_chunked_prefill is False
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--max-num-seqs", "many"])
+
+
+def _generate_on(model_dir: str, level: str) -> subprocess.CompletedProcess[str]:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-m", "tokenweir.cli", "generate", "hi", "--no-chat", "--max-tokens", "2",
+         "--model", model_dir, "--device", "cpu", "--dtype", "float32", "--num-gpu-blocks-override", "16",
+         "--scheduling-policy", "sla"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "TOKENWEIR_LOGGING_LEVEL": level})
+
+
+def test_the_logging_level_variable_turns_on_the_sla_score_parts(tiny_model_dir):
+    """TOKENWEIR_LOGGING_LEVEL (as vLLM's VLLM_LOGGING_LEVEL) is read by configure_logging, so
+    the engine process of `serve`, spawned with the same environment, honours it too."""
+    import re
+
+    result = _generate_on(tiny_model_dir("llama"), "debug")
+    assert result.returncode == 0, result.stderr
+    # The policy explains each request whose turn it is, with its score's parts.
+    assert re.search(r"^DEBUG .* tokenweir\.sla: sla t=\d+\.\d{3} load=\d+\.\d{2} next \S+: \{'base': .*'urgency': ",
+                     result.stderr, re.MULTILINE), result.stderr[-2000:]
+
+
+def test_a_bad_logging_level_is_a_clear_error(tiny_model_dir):
+    result = _generate_on(tiny_model_dir("llama"), "LOUD")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "TOKENWEIR_LOGGING_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, got 'LOUD'")

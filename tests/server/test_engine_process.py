@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 from collections.abc import Callable, Iterator
 
@@ -237,3 +238,16 @@ def test_the_event_loop_never_waits_for_a_busy_engine_to_read_its_commands(clean
 async def collect_with_text(engine, request_id, prompt_text):
     outputs = await engine.add_request(request_id, [5, 6, 7], GREEDY, prompt_text=prompt_text)
     return [out async for out in outputs]
+
+
+def test_the_engine_process_honours_the_logging_level_variable(tiny_model_dir, monkeypatch, capfd):
+    """It is spawned with the server's environment and calls configure_logging, which reads
+    TOKENWEIR_LOGGING_LEVEL: the sla policy's score parts reach the shared stderr."""
+    monkeypatch.setenv("TOKENWEIR_LOGGING_LEVEL", "DEBUG")
+    engine = make_mp_engine(tiny_model_dir("llama"), scheduling_policy="sla")
+    try:
+        assert asyncio.run(collect(engine, "explained", [5, 6, 7]))[-1].finished
+    finally:
+        engine.shutdown()
+    err = capfd.readouterr().err
+    assert re.search(r"^DEBUG .* tokenweir\.sla: sla t=\S+ load=\S+ next explained: \{'base': ", err, re.MULTILINE), err

@@ -167,7 +167,10 @@ def test_api_key(make_server):
         assert response.status_code == 401
         assert response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/v1/models").status_code == 401
-    assert post(url, COMPLETIONS, body, headers={"Authorization": "Bearer sekret"}).status_code == 200
+    # RFC 7235: the scheme is case-insensitive; the key is not.
+    for scheme in ("Bearer", "bearer", "BEARER"):
+        assert post(url, COMPLETIONS, body, headers={"Authorization": f"{scheme} sekret"}).status_code == 200
+    assert post(url, COMPLETIONS, body, headers={"Authorization": "Bearer SEKRET"}).status_code == 401
     # Probes need no key; /metrics does (its prefix-cache counters tell about other users).
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/metrics").status_code == 401

@@ -35,11 +35,12 @@ def test_no_422_anywhere(spec):
 @pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
 def test_generation_errors_are_openai_errors(spec, path):
     responses = spec["paths"][path]["post"]["responses"]
-    assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503"}
-    for status in ("400", "401", "404", "413", "429", "500", "503"):
+    assert set(responses) == {"200", "400", "401", "404", "413", "429", "500", "503", "504"}
+    for status in ("400", "401", "404", "413", "429", "500", "503", "504"):
         schema = responses[status]["content"]["application/json"]["schema"]
         assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
     assert "Retry-After" in responses["429"]["headers"] and "Retry-After" in responses["503"]["headers"]
+    assert set(responses["504"]["headers"]) == {"x-should-retry"}
     assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 from tests.server.conftest import ServerThread, assert_engine_clean, make_engine
 from tests.server.helpers import MODEL, post, scrape, value
+from tests.server.test_engine_process import assert_idle_and_released, make_mp_engine
 from tokenweir.cli import build_parser
 from tokenweir.metrics import MAX_TENANT_LABELS, TenantLabels
 from tokenweir.server.app import build_app
@@ -107,6 +109,9 @@ def test_tenant_labels_reserved_ones_then_the_first_come_up_to_the_bound():
     (json.dumps({"k": "alpha", "k2": "t" * 257}), "the tenant of key #2 has 257 characters, more than 256"),
     ('{"k": "other"}', "the tenant of key #1 is 'other', the tenant metric label of the tenants past the label"),
     ('{"k": "none"}', "the tenant of key #1 is 'none', the tenant metric label of requests without a tenant"),
+    # json keeps the last of a key given twice: the key would be billed to the second tenant. The
+    # keys are secrets, so the error names their positions.
+    ('{"k1": "alpha", "k2": "gamma", "k1": "beta"}', "key #3 is key #1 again"),
 ])
 def test_a_bad_keys_file_is_refused(tmp_path, contents, message):
     path = tmp_path / "keys.json"
@@ -134,4 +139,34 @@ def test_a_request_past_its_deadline_is_shed_with_a_504_the_client_can_read(tiny
     finally:
         server.stop()
         assert_engine_clean(engine)
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("engine_kind", ["in-process", "engine-process"])
+def test_the_official_client_does_not_retry_a_shed_request(tiny_model_dir, engine_kind):
+    """The openai client retries every 5xx (max_retries=2 by default) unless the response says
+    `x-should-retry: false`: without it one shed request is sent, and prefilled, three times."""
+    overrides = dict(scheduling_policy="sla", sla_drop_expired=True)
+    engine = (make_engine(tiny_model_dir("llama"), **overrides) if engine_kind == "in-process"
+              else make_mp_engine(tiny_model_dir("llama"), **overrides))
+    server = ServerThread(build_app(engine))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60)
+        assert client.max_retries == 2  # the default, which this test is about
+        before = scrape(server.url)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt="hello there", max_tokens=200,
+                                      extra_body={"ignore_eos": True, "deadline_ms": 1})
+        assert info.value.status_code == 504 and info.value.code == "deadline_exceeded"
+        after = scrape(server.url)
+        aborted = "tokenweir:request_success_total"
+        assert (value(after, aborted, finished_reason="abort")
+                - value(before, aborted, finished_reason="abort")) == 1
+        assert info.value.response.headers["x-should-retry"] == "false"
+    finally:
+        server.stop()
+        if engine_kind == "in-process":
+            assert_engine_clean(engine)
+        else:
+            assert_idle_and_released(engine)
         engine.shutdown()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import secrets
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from starlette.requests import Request
 
@@ -47,6 +47,21 @@ def check_api_key_options(api_key: Optional[str], api_keys: Optional[dict[str, s
                          "tenant of its own")
 
 
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json's object hook: json keeps the last of a key given twice, which would bill the key's
+    requests to the wrong tenant without a word."""
+    first: dict[str, int] = {}
+    for position, (key, _) in enumerate(pairs, 1):
+        if key in first:
+            raise _DuplicateKeyError(f"key #{position} is key #{first[key]} again")
+        first[key] = position
+    return dict(pairs)
+
+
 def load_api_keys(path: Path) -> dict[str, str]:
     """A JSON object {key: tenant}, each tenant a name a request could carry (non-empty, at
     most MAX_KEY_CHARS characters) and not one of the metric labels reserved for no tenant and
@@ -54,7 +69,9 @@ def load_api_keys(path: Path) -> dict[str, str]:
     Errors name a key by its position only (the keys are secrets)."""
     where = f"--api-keys-file {str(path)!r}"
     try:
-        data = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text(), object_pairs_hook=_refuse_duplicate_keys)
+    except _DuplicateKeyError as e:
+        raise ValueError(f"{where}: {e}; a key names one tenant") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"{where} cannot be read as JSON: {e}") from None
     if not isinstance(data, dict) or not data:
@@ -86,7 +103,7 @@ class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_keys: dict[str, Optional[str]], guarded: tuple[str, ...]) -> None:
         """`api_keys`: key -> its tenant (None: a key that names none, `--api-key`)."""
         self.app = app
-        self.expected = [(f"Bearer {key}".encode(), tenant) for key, tenant in api_keys.items()]
+        self.expected = [(key.encode(), tenant) for key, tenant in api_keys.items()]
         self.guarded = guarded
 
     def _is_guarded(self, path: str) -> bool:
@@ -94,10 +111,11 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._is_guarded(scope["path"]):
-            given = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            bearer = scheme.lower() == b"bearer"  # RFC 7235: the scheme is case-insensitive
             matched, tenant = False, None
             for expected, key_tenant in self.expected:  # every key compared: no early exit to time
-                if secrets.compare_digest(given, expected):
+                if secrets.compare_digest(given, expected) and bearer:
                     matched, tenant = True, key_tenant
             if not matched:
                 error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",

@@ -1,7 +1,8 @@
 """Every failure as OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}.
 
 A client's mistake is a 4xx naming the field where there is one; an engine failure a 500 (503
-with Retry-After when the engine is gone); overload a 429 with Retry-After. The handlers also
+with Retry-After when the engine is gone); overload a 429 with Retry-After; a request shed at its
+deadline a 504 that tells clients not to retry it. The handlers also
 turn pydantic's and Starlette's own errors (which would be 422 and plain text) into this shape.
 """
 
@@ -50,8 +51,14 @@ def overloaded(message: str) -> APIError:
 def engine_error(error: BaseException) -> APIError:
     if isinstance(error, DeadlineExceededError):
         # The request's own deadline, not a server fault: 504 with the reason, no Retry-After
-        # (the same request would be late again).
-        return APIError(504, str(error), type="timeout_error", code="deadline_exceeded")
+        # (the same request would be late again). The official openai clients retry every 5xx
+        # (twice by default) unless told `x-should-retry: false`: without it each shed request
+        # would come back twice more, to queue (and perhaps prefill) again: under the overload
+        # that shedding is for, it would triple the shed load.
+        # 504 stays: the server gave up in time, as a gateway does; 408 means the client was
+        # slow to send, and the clients retry it too.
+        return APIError(504, str(error), type="timeout_error", code="deadline_exceeded",
+                        headers={"x-should-retry": "false"})
     if isinstance(error, EngineDeadError):
         return APIError(503, str(error), type="server_error", code="engine_dead",
                         headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -21,24 +21,28 @@ _ERROR_MEANINGS = {
     429: "too many requests waiting (--max-waiting-requests); retry after Retry-After",
     500: "the engine failed this request",
     503: "the engine is not running; retry after Retry-After",
+    504: "its `deadline_ms` passed before it finished (--sla-drop-expired); retrying cannot help",
 }
 # One server-sent event (OpenAPI 3.1 has a stream's `schema` describe each event): `data` is a
 # chunk of the response as JSON, an error object, or `[DONE]`.
 _SSE_EVENT = {"type": "object", "required": ["data"],
               "properties": {"data": {"type": "string"}, "event": {"type": "string"}}}
 _RETRY_AFTER = {"Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "string"}}}
+# The openai clients' own header: without it they retry a 5xx.
+_NO_RETRY = {"x-should-retry": {"description": "`false`: retrying cannot help", "schema": {"type": "string"}}}
+_HEADERS = {429: _RETRY_AFTER, 503: _RETRY_AFTER, 504: _NO_RETRY}
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: {"model": ErrorResponse, "description": _ERROR_MEANINGS[s],
-                **({"headers": _RETRY_AFTER} if s in (429, 503) else {})} for s in statuses}
+                **({"headers": _HEADERS[s]} if s in _HEADERS else {})} for s in statuses}
 
 
 def _generation_responses(model: type) -> dict[int | str, dict[str, Any]]:
     ok = {"model": model, "description": "the completion; with `stream: true`, server-sent events: "
                                          "`data: <chunk JSON>` lines, then `data: [DONE]`",
           "content": {"text/event-stream": {"schema": _SSE_EVENT}}}
-    return {200: ok, **error_responses(400, 401, 404, 413, 429, 500, 503)}
+    return {200: ok, **error_responses(400, 401, 404, 413, 429, 500, 503, 504)}
 
 
 def _cap_integers(node: Any, maximum: int) -> None:
