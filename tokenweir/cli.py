@@ -242,8 +242,11 @@ def configure_logging() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Any:
-    configure_logging()
     parser = build_parser()
+    try:
+        configure_logging()
+    except ValueError as exc:  # a bad TOKENWEIR_LOGGING_LEVEL: one line, as for a bad flag
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
     argv = list(sys.argv[1:] if argv is None else argv)
     ns = parser.parse_args(argv)
     if getattr(ns, "simulate_command", None) == "search" and argv[argv.index("simulate") + 1] != "search":
