@@ -56,3 +56,14 @@ def test_the_class_report_gives_each_class_its_longest_wait_for_a_first_token():
     report = class_report(records, [fast, fast, slow, slow], duration_s=40.0)
     assert report["fast"]["max_ttft_ms"] == 7500.0 and report["slow"]["max_ttft_ms"] == 30000.0
     assert "max TTFT" in format_class_table(report).splitlines()[0]
+
+
+def test_a_deadline_counts_in_the_class_attainment_and_goodput():
+    # A deadline-only class scored 100% however late its requests ended.
+    from tokenweir.bench.serve_metrics import RequestRecord
+    from tokenweir.bench.slo_mix import class_report
+    (due,) = parse_slo_mix(["due:1:deadline=2000"])
+    records = [RequestRecord(True, 8, 4, ttft=0.5, latency=1.5), RequestRecord(True, 8, 4, ttft=0.5, latency=2.5)]
+    report = class_report(records, [due, due], duration_s=10.0)["due"]
+    assert (report["deadline_attainment"], report["slo_attainment"], report["goodput"]) == (0.5, 0.5, 0.1)
+    assert report["ttft_attainment"] == report["tpot_attainment"] == 1.0
