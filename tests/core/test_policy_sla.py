@@ -7,7 +7,7 @@ import math
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, reference_stream, step
@@ -220,27 +220,44 @@ def test_aging_bounds_the_wait_where_strict_priority_starves():
     assert served.status == RequestStatus.FINISHED_LENGTH and served.finished_time <= 30.0
 
 
+# (arrival step, priority, prompt length, max_tokens, TTFT SLO) of each request, arrivals
+# bunched into a few steps: a backlog at once, where score order alone would keep the less
+# important requests waiting past a small max_wait.
+_backlog = st.lists(st.tuples(st.integers(0, 10), st.integers(-1, 4), st.integers(1, 12), st.integers(1, 8),
+                              st.sampled_from([None, 0.5, 3.0])), min_size=6, max_size=30)
+
+
+def _arrive(s, pending: list, requests: list[Request], t: int) -> None:
+    """Add the requests of `pending` (sorted by arrival) that have arrived by step t."""
+    while pending and pending[0][0] <= t:
+        at, priority, prompt_len, max_tokens, ttft = pending.pop(0)
+        r = _req(f"r{len(requests)}", prompt_len, max_tokens, arrival=float(at), priority=priority,
+                 ttft_slo=ttft, tenant=("a", "b")[len(requests) % 2])
+        requests.append(r)
+        s.add_request(r)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arrivals=st.lists(st.tuples(st.integers(0, 60), st.integers(-1, 4), st.integers(1, 12), st.integers(1, 6),
-                                   st.sampled_from([None, 0.5, 3.0])), min_size=1, max_size=30),
-       max_wait=st.sampled_from([3.0, 10.0]), tenant_fairness=st.booleans(), num_blocks=st.integers(8, 30))
+@given(arrivals=_backlog, max_wait=st.sampled_from([2.0, 4.0]), tenant_fairness=st.booleans(),
+       num_blocks=st.integers(8, 30))
+# Three slots held by r1-r3 (priority 0, arrived with r0) until step 2, r4-r7 (priority 0) waiting
+# since step 2: at step 3 r0 (priority 4) has waited 3 > max_wait and goes first. By score alone
+# r4-r6, not aged, would take the three slots, and r7 next in line, unable to displace its
+# equals, would end the step's admissions before r0's turn to preempt.
+@example(arrivals=[(0, 4, 4, 2, None)] + [(0, 0, 4, 3, None)] * 3 + [(2, 0, 4, 3, None)] * 4, max_wait=2.0,
+         tenant_fairness=False, num_blocks=30)
 def test_no_request_waits_past_the_bound_behind_younger_ones_and_none_starves(arrivals, max_wait, tenant_fairness,
                                                                               num_blocks):
-    """Random workloads: once a request has waited max_wait, no younger request that has not
+    """Random backlogs: once a request has waited max_wait, no younger request that has not
     is admitted before it; everything finishes with the reference output; nothing leaks."""
     policy = SLAPolicy(SLAConfig(max_wait=max_wait, tenant_fairness=tenant_fairness, preempt_margin=0.0))
     s = create_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=3, num_blocks=num_blocks)
     runner = PagedFakeRunner(s.block_size)
     pending = sorted(arrivals, key=lambda a: a[0])
-    requests = []
+    requests: list[Request] = []
     t = 0
     while pending or s.has_unfinished_requests():
-        while pending and pending[0][0] <= t:
-            at, priority, prompt_len, max_tokens, ttft = pending.pop(0)
-            r = _req(f"r{len(requests)}", prompt_len, max_tokens, arrival=float(at), priority=priority,
-                     ttft_slo=ttft, tenant=("a", "b")[len(requests) % 2])
-            requests.append(r)
-            s.add_request(r)
+        _arrive(s, pending, requests, t)
         out = step(s, runner, now=float(t))
         admitted = [s.requests.get(n.request_id) for n in out.scheduled_new_reqs]
         young = [r for r in admitted if r is not None and t - r.arrival_time < max_wait]
@@ -251,6 +268,56 @@ def test_no_request_waits_past_the_bound_behind_younger_ones_and_none_starves(ar
     for r in requests:
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
         assert r.num_output_tokens == r.sampling_params.max_tokens
+    assert_no_leaks(s)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=_backlog, max_wait=st.integers(1, 6), tenant_fairness=st.booleans(),
+       preempt_margin=st.sampled_from([0.0, 1.5]))
+# r1 (priority 0, arrived with r0) holds the slot until step 2; at step 3 r0 (priority 3) has
+# waited 3 > max_wait: admitted then, by the bound. By score alone r2 (priority 0) would take the
+# slot, and r3 next in line, unable to displace it, would end the step's admissions before r0's
+# turn to preempt.
+@example(arrivals=[(0, 3, 4, 2, None), (0, 0, 4, 3, None), (1, 0, 4, 6, None), (2, 0, 4, 6, None)], max_wait=2,
+         tenant_fairness=False, preempt_margin=0.0)
+def test_an_aged_request_waits_only_for_those_that_arrived_before_it(arrivals, max_wait, tenant_fairness,
+                                                                    preempt_margin):
+    """The wait bound, tight, on one slot: a request that has waited max_wait is admitted once
+    the requests that arrived no later than it have produced the tokens they still owe.
+
+    The bound: the budget (32) covers any request's whole context (12 + 8 tokens), so whoever
+    holds the slot gains exactly one token a step, a recomputed request too; 64 blocks hold any
+    request, so nobody is preempted for KV growth. From step T = arrival + max_wait on, R is in
+    the aged FIFO, which goes before every younger request, and an aged request displaces any
+    younger unprotected one (and only those: not one that arrived with it). So every step from
+    T until R is admitted is held by a request that arrived no later than R, producing one of
+    its tokens: R is admitted by T + the tokens those still owe at T. max_preemptions is out of
+    reach here (checked): a younger protected request keeps its slot against an aged one, as it
+    should, and would add its own tokens to the bound."""
+    k = 1000
+    policy = SLAPolicy(SLAConfig(max_wait=float(max_wait), tenant_fairness=tenant_fairness,
+                                 preempt_margin=preempt_margin, max_preemptions=k))
+    s = create_scheduler(policy=policy, max_num_batched_tokens=32, max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    requests: list[Request] = []
+    bound: dict[str, int] = {}  # request id -> the step it is admitted by
+    t = 0
+    while pending or s.has_unfinished_requests():
+        _arrive(s, pending, requests, t)
+        for r in requests:
+            if r.arrival_time + max_wait == t and r.first_scheduled_time is None:
+                bound[r.request_id] = t + sum(q.sampling_params.max_tokens - q.num_output_tokens for q in requests
+                                              if q is not r and q.arrival_time <= r.arrival_time and not q.is_finished)
+        step(s, runner, now=float(t))
+        t += 1
+        assert t < 5000, "no progress"
+    assert max(r.num_preemptions for r in requests) < k
+    late = {r.request_id: (r.first_scheduled_time, bound[r.request_id]) for r in requests
+            if r.request_id in bound and r.first_scheduled_time > bound[r.request_id]}
+    assert not late, late  # request id: (admitted at, bound)
+    for r in requests:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.sampling_params.max_tokens)
     assert_no_leaks(s)
 
 
