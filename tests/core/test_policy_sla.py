@@ -345,6 +345,41 @@ def test_a_request_preempted_k_times_is_protected_so_no_pair_takes_turns(k):
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, 8)
 
 
+@pytest.mark.parametrize("k, second_victim", [(1, "u2"), (0, "p")])
+def test_under_kv_growth_a_protected_request_goes_only_when_every_running_one_is_protected(make_scheduler, k,
+                                                                                        second_victim):
+    """Four blocks of four tokens, two slots, nobody waiting when the pool runs out: the running
+    requests' own growth forces each preemption. p (priority 1) scores below u1 and u2
+    (priority 0) throughout. At step 5 u1 needs a third block with p running beside it: p goes,
+    the lowest score. At step 7 u2 (admitted at 6, beside p readmitted) needs its second block:
+    with k=1, p, preempted once, is protected, and u2 goes although it scores higher; with k=0
+    every request is protected, and the lowest score, p, goes again."""
+    policy = SLAPolicy(SLAConfig(max_preemptions=k, protect_slos=False))
+    s = make_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=2, num_blocks=4)
+    runner = PagedFakeRunner(s.block_size)
+    p = _req("p", 4, 12, arrival=0.0, priority=1)
+    u1 = _req("u1", 4, 6, arrival=0.0, priority=0)
+    u2 = _req("u2", 4, 8, arrival=6.0, priority=0)
+    s.add_request(p)
+    s.add_request(u1)
+    preemptions = []  # (step, running before it, waiting before it, p's preemptions, preempted)
+    t = 0
+    while t <= 6 or s.has_unfinished_requests():
+        if t == 6:
+            s.add_request(u2)
+        before = ([r.request_id for r in s.running], len(s.waiting), p.num_preemptions)
+        if t == 7:
+            assert policy.score(p, 7.0) < policy.score(u2, 7.0)
+        out = step(s, runner, now=float(t))
+        if out.preempted_req_ids:
+            preemptions.append((t, *before, out.preempted_req_ids))
+        t += 1
+        assert t < 100, "no progress"
+    assert preemptions == [(5, ["u1", "p"], 0, 0, {"p"}), (7, ["u2", "p"], 0, 1, {second_victim})]
+    for r in (p, u1, u2):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
 def test_three_of_a_kind_in_one_slot_form_no_preemption_cycle(make_scheduler):
     """Default knobs, one slot, three requests of one kind arriving 50 ms apart: a request
     nearing its TTFT preempts the one decoding, but one preempted before does not win its place
