@@ -423,6 +423,43 @@ def test_an_interactive_request_preempts_a_batch_one_but_not_one_of_its_own_kind
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.sampling_params.max_tokens)
 
 
+def test_a_waiting_request_preempts_only_by_more_than_the_margin(make_scheduler):
+    """One slot: v runs without an SLO, w waits with a TTFT SLO 2 s after its arrival at 0.1.
+    Both are priority 0, so w's score is v's, plus some 0.02 (a smaller request, less the aging
+    of the 0.1 s it came later), plus urgency_weight 2 x its urgency, 2 sigmoid(-(2.1 - t) / 1):
+    0.5 above v's at 0.1, rising. It stays below v's + preempt_margin (1.5) up to t = 1.5 (1.44
+    above) and crosses it at 1.6 (1.53 above): w preempts v then, not before."""
+    cfg = SLAConfig(load_sensitivity=0.0, protect_slos=False)  # load adjustment 1 whatever the load
+    policy = SLAPolicy(cfg)
+    s = make_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    v = _req("v", 8, 60, arrival=0.0)
+    w = _req("w", 4, 4, arrival=0.1, ttft_slo=2.0)
+    s.add_request(v)
+    step(s, runner, now=0.0)
+    s.add_request(w)
+    below = []  # by how much w scored above v at each step that kept v running
+    t = 0.1
+    while True:
+        # The scores this step compares: the load adjustment is 1 and both share one class's
+        # compensation, so what its begin_step sets changes neither the gap nor the decision.
+        gap = policy.score(w, t) - policy.score(v, t)
+        out = step(s, runner, now=t)
+        if out.preempted_req_ids:
+            break
+        below.append(gap)
+        t = round(t + 0.1, 1)
+        assert t < 3.0, "w never preempted v"
+    assert out.preempted_req_ids == {"v"} and [n.request_id for n in out.scheduled_new_reqs] == ["w"]
+    assert t == 1.6 and cfg.preempt_margin < gap < cfg.preempt_margin + 0.1
+    assert len(below) == 15 and all(0 < g < cfg.preempt_margin for g in below) and below[-1] > 1.4
+    while s.has_unfinished_requests():
+        t += 0.1
+        step(s, runner, now=t)
+    for r in (v, w):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
 def test_expired_requests_are_finished_with_the_reason_and_free_their_blocks(make_scheduler):
     s = make_scheduler(policy=SLAPolicy(SLAConfig(drop_expired=True)), max_num_batched_tokens=16,
                        max_num_seqs=1, num_blocks=64)
