@@ -7,7 +7,7 @@ import math
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, reference_stream, step
@@ -220,27 +220,44 @@ def test_aging_bounds_the_wait_where_strict_priority_starves():
     assert served.status == RequestStatus.FINISHED_LENGTH and served.finished_time <= 30.0
 
 
+# (arrival step, priority, prompt length, max_tokens, TTFT SLO) of each request, arrivals
+# bunched into a few steps: a backlog at once, where score order alone would keep the less
+# important requests waiting past a small max_wait.
+_backlog = st.lists(st.tuples(st.integers(0, 10), st.integers(-1, 4), st.integers(1, 12), st.integers(1, 8),
+                              st.sampled_from([None, 0.5, 3.0])), min_size=6, max_size=30)
+
+
+def _arrive(s, pending: list, requests: list[Request], t: int) -> None:
+    """Add the requests of `pending` (sorted by arrival) that have arrived by step t."""
+    while pending and pending[0][0] <= t:
+        at, priority, prompt_len, max_tokens, ttft = pending.pop(0)
+        r = _req(f"r{len(requests)}", prompt_len, max_tokens, arrival=float(at), priority=priority,
+                 ttft_slo=ttft, tenant=("a", "b")[len(requests) % 2])
+        requests.append(r)
+        s.add_request(r)
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arrivals=st.lists(st.tuples(st.integers(0, 60), st.integers(-1, 4), st.integers(1, 12), st.integers(1, 6),
-                                   st.sampled_from([None, 0.5, 3.0])), min_size=1, max_size=30),
-       max_wait=st.sampled_from([3.0, 10.0]), tenant_fairness=st.booleans(), num_blocks=st.integers(8, 30))
+@given(arrivals=_backlog, max_wait=st.sampled_from([2.0, 4.0]), tenant_fairness=st.booleans(),
+       num_blocks=st.integers(8, 30))
+# Three slots held by r1-r3 (priority 0, arrived with r0) until step 2, r4-r7 (priority 0) waiting
+# since step 2: at step 3 r0 (priority 4) has waited 3 > max_wait and goes first. By score alone
+# r4-r6, not aged, would take the three slots, and r7 next in line, unable to displace its
+# equals, would end the step's admissions before r0's turn to preempt.
+@example(arrivals=[(0, 4, 4, 2, None)] + [(0, 0, 4, 3, None)] * 3 + [(2, 0, 4, 3, None)] * 4, max_wait=2.0,
+         tenant_fairness=False, num_blocks=30)
 def test_no_request_waits_past_the_bound_behind_younger_ones_and_none_starves(arrivals, max_wait, tenant_fairness,
                                                                               num_blocks):
-    """Random workloads: once a request has waited max_wait, no younger request that has not
+    """Random backlogs: once a request has waited max_wait, no younger request that has not
     is admitted before it; everything finishes with the reference output; nothing leaks."""
     policy = SLAPolicy(SLAConfig(max_wait=max_wait, tenant_fairness=tenant_fairness, preempt_margin=0.0))
     s = create_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=3, num_blocks=num_blocks)
     runner = PagedFakeRunner(s.block_size)
     pending = sorted(arrivals, key=lambda a: a[0])
-    requests = []
+    requests: list[Request] = []
     t = 0
     while pending or s.has_unfinished_requests():
-        while pending and pending[0][0] <= t:
-            at, priority, prompt_len, max_tokens, ttft = pending.pop(0)
-            r = _req(f"r{len(requests)}", prompt_len, max_tokens, arrival=float(at), priority=priority,
-                     ttft_slo=ttft, tenant=("a", "b")[len(requests) % 2])
-            requests.append(r)
-            s.add_request(r)
+        _arrive(s, pending, requests, t)
         out = step(s, runner, now=float(t))
         admitted = [s.requests.get(n.request_id) for n in out.scheduled_new_reqs]
         young = [r for r in admitted if r is not None and t - r.arrival_time < max_wait]
@@ -251,6 +268,56 @@ def test_no_request_waits_past_the_bound_behind_younger_ones_and_none_starves(ar
     for r in requests:
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
         assert r.num_output_tokens == r.sampling_params.max_tokens
+    assert_no_leaks(s)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=_backlog, max_wait=st.integers(1, 6), tenant_fairness=st.booleans(),
+       preempt_margin=st.sampled_from([0.0, 1.5]))
+# r1 (priority 0, arrived with r0) holds the slot until step 2; at step 3 r0 (priority 3) has
+# waited 3 > max_wait: admitted then, by the bound. By score alone r2 (priority 0) would take the
+# slot, and r3 next in line, unable to displace it, would end the step's admissions before r0's
+# turn to preempt.
+@example(arrivals=[(0, 3, 4, 2, None), (0, 0, 4, 3, None), (1, 0, 4, 6, None), (2, 0, 4, 6, None)], max_wait=2,
+         tenant_fairness=False, preempt_margin=0.0)
+def test_an_aged_request_waits_only_for_those_that_arrived_before_it(arrivals, max_wait, tenant_fairness,
+                                                                    preempt_margin):
+    """The wait bound, tight, on one slot: a request that has waited max_wait is admitted once
+    the requests that arrived no later than it have produced the tokens they still owe.
+
+    The bound: the budget (32) covers any request's whole context (12 + 8 tokens), so whoever
+    holds the slot gains exactly one token a step, a recomputed request too; 64 blocks hold any
+    request, so nobody is preempted for KV growth. From step T = arrival + max_wait on, R is in
+    the aged FIFO, which goes before every younger request, and an aged request displaces any
+    younger unprotected one (and only those: not one that arrived with it). So every step from
+    T until R is admitted is held by a request that arrived no later than R, producing one of
+    its tokens: R is admitted by T + the tokens those still owe at T. max_preemptions is out of
+    reach here (checked): a younger protected request keeps its slot against an aged one, as it
+    should, and would add its own tokens to the bound."""
+    k = 1000
+    policy = SLAPolicy(SLAConfig(max_wait=float(max_wait), tenant_fairness=tenant_fairness,
+                                 preempt_margin=preempt_margin, max_preemptions=k))
+    s = create_scheduler(policy=policy, max_num_batched_tokens=32, max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    pending = sorted(arrivals, key=lambda a: a[0])
+    requests: list[Request] = []
+    bound: dict[str, int] = {}  # request id -> the step it is admitted by
+    t = 0
+    while pending or s.has_unfinished_requests():
+        _arrive(s, pending, requests, t)
+        for r in requests:
+            if r.arrival_time + max_wait == t and r.first_scheduled_time is None:
+                bound[r.request_id] = t + sum(q.sampling_params.max_tokens - q.num_output_tokens for q in requests
+                                              if q is not r and q.arrival_time <= r.arrival_time and not q.is_finished)
+        step(s, runner, now=float(t))
+        t += 1
+        assert t < 5000, "no progress"
+    assert max(r.num_preemptions for r in requests) < k
+    late = {r.request_id: (r.first_scheduled_time, bound[r.request_id]) for r in requests
+            if r.request_id in bound and r.first_scheduled_time > bound[r.request_id]}
+    assert not late, late  # request id: (admitted at, bound)
+    for r in requests:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.sampling_params.max_tokens)
     assert_no_leaks(s)
 
 
@@ -276,6 +343,41 @@ def test_a_request_preempted_k_times_is_protected_so_no_pair_takes_turns(k):
     assert (s.num_preemptions > 0) == (k > 0)
     for r in reqs:
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, 8)
+
+
+@pytest.mark.parametrize("k, second_victim", [(1, "u2"), (0, "p")])
+def test_under_kv_growth_a_protected_request_goes_only_when_every_running_one_is_protected(make_scheduler, k,
+                                                                                        second_victim):
+    """Four blocks of four tokens, two slots, nobody waiting when the pool runs out: the running
+    requests' own growth forces each preemption. p (priority 1) scores below u1 and u2
+    (priority 0) throughout. At step 5 u1 needs a third block with p running beside it: p goes,
+    the lowest score. At step 7 u2 (admitted at 6, beside p readmitted) needs its second block:
+    with k=1, p, preempted once, is protected, and u2 goes although it scores higher; with k=0
+    every request is protected, and the lowest score, p, goes again."""
+    policy = SLAPolicy(SLAConfig(max_preemptions=k, protect_slos=False))
+    s = make_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=2, num_blocks=4)
+    runner = PagedFakeRunner(s.block_size)
+    p = _req("p", 4, 12, arrival=0.0, priority=1)
+    u1 = _req("u1", 4, 6, arrival=0.0, priority=0)
+    u2 = _req("u2", 4, 8, arrival=6.0, priority=0)
+    s.add_request(p)
+    s.add_request(u1)
+    preemptions = []  # (step, running before it, waiting before it, p's preemptions, preempted)
+    t = 0
+    while t <= 6 or s.has_unfinished_requests():
+        if t == 6:
+            s.add_request(u2)
+        before = ([r.request_id for r in s.running], len(s.waiting), p.num_preemptions)
+        if t == 7:
+            assert policy.score(p, 7.0) < policy.score(u2, 7.0)
+        out = step(s, runner, now=float(t))
+        if out.preempted_req_ids:
+            preemptions.append((t, *before, out.preempted_req_ids))
+        t += 1
+        assert t < 100, "no progress"
+    assert preemptions == [(5, ["u1", "p"], 0, 0, {"p"}), (7, ["u2", "p"], 0, 1, {second_victim})]
+    for r in (p, u1, u2):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.sampling_params.max_tokens)
 
 
 def test_three_of_a_kind_in_one_slot_form_no_preemption_cycle(make_scheduler):
@@ -318,6 +420,43 @@ def test_an_interactive_request_preempts_a_batch_one_but_not_one_of_its_own_kind
         t += 0.05
     assert inter.num_preemptions == 0 and late.num_preemptions == 0
     for r in (batch, inter, late):
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.sampling_params.max_tokens)
+
+
+def test_a_waiting_request_preempts_only_by_more_than_the_margin(make_scheduler):
+    """One slot: v runs without an SLO, w waits with a TTFT SLO 2 s after its arrival at 0.1.
+    Both are priority 0, so w's score is v's, plus some 0.02 (a smaller request, less the aging
+    of the 0.1 s it came later), plus urgency_weight 2 x its urgency, 2 sigmoid(-(2.1 - t) / 1):
+    0.5 above v's at 0.1, rising. It stays below v's + preempt_margin (1.5) up to t = 1.5 (1.44
+    above) and crosses it at 1.6 (1.53 above): w preempts v then, not before."""
+    cfg = SLAConfig(load_sensitivity=0.0, protect_slos=False)  # load adjustment 1 whatever the load
+    policy = SLAPolicy(cfg)
+    s = make_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    v = _req("v", 8, 60, arrival=0.0)
+    w = _req("w", 4, 4, arrival=0.1, ttft_slo=2.0)
+    s.add_request(v)
+    step(s, runner, now=0.0)
+    s.add_request(w)
+    below = []  # by how much w scored above v at each step that kept v running
+    t = 0.1
+    while True:
+        # The scores this step compares: the load adjustment is 1 and both share one class's
+        # compensation, so what its begin_step sets changes neither the gap nor the decision.
+        gap = policy.score(w, t) - policy.score(v, t)
+        out = step(s, runner, now=t)
+        if out.preempted_req_ids:
+            break
+        below.append(gap)
+        t = round(t + 0.1, 1)
+        assert t < 3.0, "w never preempted v"
+    assert out.preempted_req_ids == {"v"} and [n.request_id for n in out.scheduled_new_reqs] == ["w"]
+    assert t == 1.6 and cfg.preempt_margin < gap < cfg.preempt_margin + 0.1
+    assert len(below) == 15 and all(0 < g < cfg.preempt_margin for g in below) and below[-1] > 1.4
+    while s.has_unfinished_requests():
+        t += 0.1
+        step(s, runner, now=t)
+    for r in (v, w):
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.sampling_params.max_tokens)
 
 
