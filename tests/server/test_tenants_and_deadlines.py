@@ -15,7 +15,7 @@ from tests.server.test_engine_process import assert_idle_and_released, make_mp_e
 from tokenweir.cli import build_parser
 from tokenweir.metrics import MAX_TENANT_LABELS, TenantLabels
 from tokenweir.server.app import build_app
-from tokenweir.server.auth import load_api_keys
+from tokenweir.server.auth import KeyGrant, load_api_keys
 
 BODY = {"model": MODEL, "prompt": "hello there", "max_tokens": 3, "temperature": 0.0}
 
@@ -49,6 +49,22 @@ def test_the_keys_tenant_wins_over_the_body_and_other_keys_are_refused(make_serv
     assert post(url, "/v1/completions", BODY).status_code == 401
 
 
+def test_a_keys_priority_bounds_its_requests_priority(make_server, tmp_path):
+    # Under sla the priority class ranks before the tenant: a key free to name class 0 would
+    # outrank the other tenants' shares. A key with a priority gets none more important.
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"key-a": {"tenant": "alpha", "priority": 1}, "key-b": "beta"}))
+    url = make_server(api_keys=load_api_keys(path), metrics_require_api_key=False)
+    before = scrape(url)
+    for priority, key in ((0, "key-a"), (2, "key-a"), (0, "key-b")):
+        r = post(url, "/v1/completions", {**BODY, "priority": priority}, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200
+    after = scrape(url)
+    # alpha's 0 became 1, its 2 (less important) stayed; beta's key bounds nothing.
+    assert [_generated(after, t, c) - _generated(before, t, c)
+            for t, c in (("alpha", "0"), ("alpha", "1"), ("alpha", "2"), ("beta", "0"))] == [0, 3, 3, 3]
+
+
 def test_slo_attainment_is_counted_per_class(make_server):
     url = make_server()
     before = scrape(url)
@@ -69,7 +85,7 @@ def test_a_plain_api_key_beside_a_keys_file_is_refused(engine, tmp_path, capsys)
     # tenant's share ("alpha" here).
     with pytest.raises(ValueError, match=r"api_key \(--api-key\) and api_keys \(--api-keys-file\) are "
                                          r"exclusive: .* put the shared key in the file"):
-        build_app(engine, api_key="shared", api_keys={"key-a": "alpha"})
+        build_app(engine, api_key="shared", api_keys={"key-a": KeyGrant("alpha")})
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"key-a": "alpha"}))
     with pytest.raises(SystemExit):
@@ -112,6 +128,10 @@ def test_tenant_labels_reserved_ones_then_the_first_come_up_to_the_bound():
     # json keeps the last of a key given twice: the key would be billed to the second tenant. The
     # keys are secrets, so the error names their positions.
     ('{"k1": "alpha", "k2": "gamma", "k1": "beta"}', "key #3 is key #1 again"),
+    ('{"k": {"tenant": "alpha", "priority": "high"}}', r"the priority of key #1 must be an integer in \["),
+    ('{"k": {"tenant": "alpha", "priority": 2147483648}}', r"the priority of key #1 must be an integer in \["),
+    ('{"k": {"tenant": "alpha", "class": 0}}', r"key #1 has unknown fields \['class'\]"),
+    ('{"k": {"priority": 1}}', "every key needs a non-empty tenant name, got None for key #1"),
 ])
 def test_a_bad_keys_file_is_refused(tmp_path, contents, message):
     path = tmp_path / "keys.json"

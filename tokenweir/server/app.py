@@ -18,7 +18,7 @@ import tokenweir
 from tokenweir.config import EngineArgs
 from tokenweir.engine.client import EngineDeadError
 from tokenweir.engine.client import EngineClient
-from tokenweir.server.auth import APIKeyMiddleware, check_api_key_options, guarded_paths, load_api_keys
+from tokenweir.server.auth import APIKeyMiddleware, KeyGrant, check_api_key_options, guarded_paths, load_api_keys
 from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
 from tokenweir.server.errors import engine_error, install_error_handlers
 from tokenweir.server.openapi import (CHAT_RESPONSES, COMPLETION_RESPONSES, METRICS_RESPONSES, build_openapi,
@@ -29,11 +29,12 @@ from tokenweir.server.serving import OpenAIServing
 
 def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waiting_requests: Optional[int] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              metrics_require_api_key: bool = True, api_keys: Optional[dict[str, str]] = None) -> FastAPI:
+              metrics_require_api_key: bool = True, api_keys: Optional[dict[str, KeyGrant]] = None) -> FastAPI:
     """The FastAPI app around a running engine. The app does not own the engine: whoever made
-    it shuts it down. With `api_key` or `api_keys` (key -> tenant; not both), /v1/* (and
+    it shuts it down. With `api_key` or `api_keys` (key -> its grant; not both), /v1/* (and
     /metrics unless `metrics_require_api_key` is off) need `Authorization: Bearer KEY`; a key
-    from `api_keys` sets the request's tenant, and those tenants get metric labels of their own."""
+    from `api_keys` sets the request's tenant (and bounds its priority if its grant does), and
+    those tenants get metric labels of their own."""
     check_api_key_options(api_key, api_keys)
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
@@ -81,11 +82,11 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
 
     # The last added runs first: the key is checked before a byte of the body is read.
     app.add_middleware(BodySizeLimitMiddleware, limit=max_request_body_bytes)
-    keys: dict[str, Optional[str]] = dict(api_keys or {})
+    keys: dict[str, Optional[KeyGrant]] = dict(api_keys or {})
     if api_key:
         keys[api_key] = None
     if api_keys:
-        client.reserve_tenant_labels(api_keys.values())
+        client.reserve_tenant_labels([grant.tenant for grant in api_keys.values()])
     if keys:
         app.add_middleware(APIKeyMiddleware, api_keys=keys, guarded=guarded_paths(metrics_require_api_key))
     return app

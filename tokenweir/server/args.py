@@ -25,7 +25,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                       help="require 'Authorization: Bearer KEY' on /v1/* (and /metrics, see below); the "
                            "body's `tenant` names the request's tenant (not with --api-keys-file)")
     keys.add_argument("--api-keys-file", type=Path, default=None,
-                      help="JSON {key: tenant}: each key is accepted and fixes the request's tenant "
+                      help="JSON {key: tenant} (or {key: {\"tenant\": name, \"priority\": P}}: no request "
+                           "of the key more important than P): each key is accepted and fixes the request's tenant "
                            "(overriding the body's `tenant`) for per-tenant fair share and metrics, "
                            "with a metric label of its own (without a keys file the body names the "
                            "tenant, and only the first 32 named get one: later ones share 'other'). "

@@ -1,6 +1,9 @@
 """`--api-key` / `--api-keys-file`: require `Authorization: Bearer KEY` on the guarded paths,
 before the body is read. With a keys file each key names its tenant, and that tenant is the
 request's: it overrides a `tenant` in the body, so no client can claim another's fair share.
+A key may also bound its requests' priority (`{"tenant": ..., "priority": P}`: none is more
+important than P): under `sla` the priority class ranks before the tenant, so a tenant free to
+name class 0 could outrank the others' shares.
 The two flags are exclusive: a plain key next to a keys file would name no tenant, and its
 holders would be back to naming any tenant in the body (a shared key goes in the file, under a
 tenant of its own)."""
@@ -9,6 +12,7 @@ from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,7 +21,8 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from tokenweir.metrics import NO_TENANT, OTHER_TENANTS
-from tokenweir.request import MAX_KEY_CHARS
+from tokenweir.checks import is_integer
+from tokenweir.request import MAX_KEY_CHARS, PRIORITY_MAX, PRIORITY_MIN
 from tokenweir.server.errors import APIError
 
 # Always guarded: everything that runs the model or describes it.
@@ -31,15 +36,28 @@ METRICS_PATH = "/metrics"
 # A keys-file tenant has a metric label of its own, so it may not take these.
 _RESERVED_LABELS = {NO_TENANT: "requests without a tenant", OTHER_TENANTS: "the tenants past the label bound"}
 
-# Where the middleware leaves the authenticated key's tenant in the ASGI scope.
-TENANT_SCOPE_KEY = "tokenweir.tenant"
+# Where the middleware leaves the authenticated key's grant in the ASGI scope.
+GRANT_SCOPE_KEY = "tokenweir.key_grant"
+
+
+@dataclass(frozen=True)
+class KeyGrant:
+    """What a key of the keys file grants its requests: their tenant, and with `priority` the
+    most important priority they may have (vLLM's sense, smaller first: a request asking for a
+    smaller one gets this one; a larger one, less important, is kept)."""
+
+    tenant: str
+    priority: Optional[int] = None
+
+    def priority_of(self, requested: int) -> int:
+        return requested if self.priority is None else max(requested, self.priority)
 
 
 def guarded_paths(metrics_require_api_key: bool) -> tuple[str, ...]:
     return (API_PREFIX, METRICS_PATH) if metrics_require_api_key else (API_PREFIX,)
 
 
-def check_api_key_options(api_key: Optional[str], api_keys: Optional[dict[str, str]]) -> None:
+def check_api_key_options(api_key: Optional[str], api_keys: Optional[dict[str, KeyGrant]]) -> None:
     """build_app's side of the exclusion (`serve`'s argparse group refuses the two flags)."""
     if api_key and api_keys:
         raise ValueError("api_key (--api-key) and api_keys (--api-keys-file) are exclusive: with a keys "
@@ -62,11 +80,12 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return dict(pairs)
 
 
-def load_api_keys(path: Path) -> dict[str, str]:
-    """A JSON object {key: tenant}, each tenant a name a request could carry (non-empty, at
-    most MAX_KEY_CHARS characters) and not one of the metric labels reserved for no tenant and
-    for the overflow. Checked here, at startup: a request must never fail for its key's tenant.
-    Errors name a key by its position only (the keys are secrets)."""
+def load_api_keys(path: Path) -> dict[str, KeyGrant]:
+    """A JSON object {key: tenant} or {key: {"tenant": tenant, "priority": P}}, each tenant a
+    name a request could carry (non-empty, at most MAX_KEY_CHARS characters) and not one of the
+    metric labels reserved for no tenant and for the overflow, P an integer priority. Checked
+    here, at startup: a request must never fail for its key's grant. Errors name a key by its
+    position only (the keys are secrets)."""
     where = f"--api-keys-file {str(path)!r}"
     try:
         data = json.loads(Path(path).read_text(), object_pairs_hook=_refuse_duplicate_keys)
@@ -76,9 +95,22 @@ def load_api_keys(path: Path) -> dict[str, str]:
         raise ValueError(f"{where} cannot be read as JSON: {e}") from None
     if not isinstance(data, dict) or not data:
         raise ValueError(f"{where} must hold a non-empty JSON object {{key: tenant}}")
-    for position, (key, tenant) in enumerate(data.items(), 1):
+    grants = {}
+    for position, (key, value) in enumerate(data.items(), 1):
         if not key:
             raise ValueError(f"{where}: key #{position} is empty")
+        priority = None
+        if isinstance(value, dict):
+            unknown = set(value) - {"tenant", "priority"}
+            if unknown:
+                raise ValueError(f"{where}: key #{position} has unknown fields {sorted(unknown)}; a key "
+                                 "names a tenant, or {\"tenant\": name, \"priority\": P}")
+            tenant, priority = value.get("tenant"), value.get("priority")
+            if priority is not None and (not is_integer(priority) or not PRIORITY_MIN <= priority <= PRIORITY_MAX):
+                raise ValueError(f"{where}: the priority of key #{position} must be an integer in "
+                                 f"[{PRIORITY_MIN}, {PRIORITY_MAX}], got {priority!r:.40}")
+        else:
+            tenant = value
         if not isinstance(tenant, str) or not tenant:
             raise ValueError(f"{where}: every key needs a non-empty tenant name, got {tenant!r:.80} "
                              f"for key #{position}")
@@ -88,20 +120,21 @@ def load_api_keys(path: Path) -> dict[str, str]:
         if tenant in _RESERVED_LABELS:
             raise ValueError(f"{where}: the tenant of key #{position} is {tenant!r}, the tenant metric "
                              f"label of {_RESERVED_LABELS[tenant]}; name it otherwise")
-    return data
+        grants[key] = KeyGrant(tenant, priority)
+    return grants
 
 
-def authenticated_tenant(request: Request) -> Optional[str]:
-    """The tenant of the key the request authenticated with (None without a keys file)."""
-    return request.scope.get(TENANT_SCOPE_KEY)
+def authenticated_grant(request: Request) -> Optional[KeyGrant]:
+    """The grant of the key the request authenticated with (None without a keys file)."""
+    return request.scope.get(GRANT_SCOPE_KEY)
 
 
 class APIKeyMiddleware:
     """A plain ASGI middleware (not BaseHTTPMiddleware), so that streaming and disconnect
     detection pass through untouched. /health and /version stay open for probes."""
 
-    def __init__(self, app: ASGIApp, api_keys: dict[str, Optional[str]], guarded: tuple[str, ...]) -> None:
-        """`api_keys`: key -> its tenant (None: a key that names none, `--api-key`)."""
+    def __init__(self, app: ASGIApp, api_keys: dict[str, Optional[KeyGrant]], guarded: tuple[str, ...]) -> None:
+        """`api_keys`: key -> its grant (None: a key that grants nothing, `--api-key`)."""
         self.app = app
         self.expected = [(key.encode(), tenant) for key, tenant in api_keys.items()]
         self.guarded = guarded
@@ -113,15 +146,15 @@ class APIKeyMiddleware:
         if scope["type"] == "http" and self._is_guarded(scope["path"]):
             scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             bearer = scheme.lower() == b"bearer"  # RFC 7235: the scheme is case-insensitive
-            matched, tenant = False, None
-            for expected, key_tenant in self.expected:  # every key compared: no early exit to time
+            matched, grant = False, None
+            for expected, key_grant in self.expected:  # every key compared: no early exit to time
                 if secrets.compare_digest(given, expected) and bearer:
-                    matched, tenant = True, key_tenant
+                    matched, grant = True, key_grant
             if not matched:
                 error = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                                  code="invalid_api_key")
                 await error.response()(scope, receive, send)
                 return
-            if tenant is not None:
-                scope[TENANT_SCOPE_KEY] = tenant
+            if grant is not None:
+                scope[GRANT_SCOPE_KEY] = grant
         await self.app(scope, receive, send)

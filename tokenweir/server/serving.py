@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tokenweir.engine.client import EngineClient, EngineDeadError, OutputStream, RequestFailedError
 from tokenweir.engine.output import RequestOutput
 from tokenweir.server.admission import Admission, WaitingSlot
-from tokenweir.server.auth import authenticated_tenant
+from tokenweir.server.auth import KeyGrant, authenticated_grant
 from tokenweir.server.errors import APIError, bad_request, engine_error
 from tokenweir.server.formatters import ChatFormatter, CompletionFormatter, ResponseFormatter, usage
 from tokenweir.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, GenerationRequest
@@ -72,12 +72,12 @@ class OpenAIServing:
         return await self._serve("chatcmpl", body, raw, self.translator.chat, ChatFormatter)
 
     async def _serve(self, prefix: str, body: GenerationRequest, raw: Request,
-                     translate: Callable[[Any, Optional[str]], Awaitable[EngineRequest]],
+                     translate: Callable[[Any, Optional[KeyGrant]], Awaitable[EngineRequest]],
                      formatter_class: type[ResponseFormatter]) -> Response:
         self.check_model(body.model)
         slot = self.admission.reserve()
         try:
-            request = await translate(body, authenticated_tenant(raw))
+            request = await translate(body, authenticated_grant(raw))
             formatter = formatter_class(self.client.tokenizer, request.params.logprobs)
             job = await self._submit(prefix, body, raw, request, formatter, slot)
         finally:

@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 from tokenweir.engine.client import ModelInfo
 from tokenweir.request import ParameterError, SamplingParams, SchedulingHints
+from tokenweir.server.auth import KeyGrant
 from tokenweir.server.errors import APIError, bad_request
 from tokenweir.server.prompt_bound import max_chars_per_token, min_num_tokens
 from tokenweir.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
@@ -55,8 +56,9 @@ class RequestTranslator:
         self.tokenizer = tokenizer
         self.chars_per_token = max_chars_per_token(tokenizer)
 
-    async def completion(self, body: CompletionRequest, tenant: Optional[str] = None) -> EngineRequest:
-        """`tenant`: the authenticated key's, which wins over the body's."""
+    async def completion(self, body: CompletionRequest, grant: Optional[KeyGrant] = None) -> EngineRequest:
+        """`grant`: the authenticated key's (its tenant wins over the body's; its priority bounds
+        the body's)."""
         arrival = time.monotonic()  # the engine's clock
         prompt = body.prompt
         if isinstance(prompt, list) and isinstance(prompt[0], (str, list)):
@@ -71,9 +73,9 @@ class RequestTranslator:
         else:
             ids = list(prompt)  # the engine checks the ids against the vocabulary
         max_tokens = self.resolve_max_tokens(body.max_tokens, "max_tokens", ids, "prompt")
-        return self._request(body, text, ids, "prompt", max_tokens, body.logprobs, arrival, tenant)
+        return self._request(body, text, ids, "prompt", max_tokens, body.logprobs, arrival, grant)
 
-    async def chat(self, body: ChatCompletionRequest, tenant: Optional[str] = None) -> EngineRequest:
+    async def chat(self, body: ChatCompletionRequest, grant: Optional[KeyGrant] = None) -> EngineRequest:
         arrival = time.monotonic()
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -84,11 +86,11 @@ class RequestTranslator:
         else:
             max_tokens = self.resolve_max_tokens(body.max_tokens, "max_tokens", ids, "messages")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return self._request(body, text, ids, "messages", max_tokens, logprobs, arrival, tenant)
+        return self._request(body, text, ids, "messages", max_tokens, logprobs, arrival, grant)
 
     def _request(self, body: GenerationRequest, text: Optional[str], ids: list[int], prompt_param: str,
                  max_tokens: int, logprobs: Optional[int], arrival: float,
-                 tenant: Optional[str]) -> EngineRequest:
+                 grant: Optional[KeyGrant]) -> EngineRequest:
         try:
             params = SamplingParams(
                 max_tokens=max_tokens, min_tokens=body.min_tokens,
@@ -100,7 +102,8 @@ class RequestTranslator:
                 seed=body.seed, logprobs=logprobs, include_stop_str_in_output=body.include_stop_str_in_output,
                 skip_special_tokens=body.skip_special_tokens, n=body.n)
             hints = SchedulingHints(
-                priority=body.priority, tenant=tenant if tenant is not None else body.tenant, arrival_time=arrival,
+                priority=body.priority if grant is None else grant.priority_of(body.priority),
+                tenant=body.tenant if grant is None else grant.tenant, arrival_time=arrival,
                 deadline=_seconds(body.deadline_ms), ttft_slo=_seconds(body.ttft_slo_ms),
                 tpot_slo=_seconds(body.tpot_slo_ms), cache_salt=body.cache_salt)
         except ParameterError as e:
