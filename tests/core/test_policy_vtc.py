@@ -299,6 +299,8 @@ def test_a_request_put_back_keeps_its_tenant_s_counter_only_an_arrival_is_lifted
     queue.add(b)
     assert queue.pop() is a  # ties: the earlier entry
     assert counters.counter("A") == 10.0  # its prompt, provisionally (this step)
+    policy.end_step(0.0)  # the step is scheduled: the provisional part goes
+    assert counters.counter("A") == 0.0
     counters.charge([_served(a, 0, 10), _served(_req("b-old", "B", prompt_len=500), 0, 500)])
     assert (counters.counter("A"), counters.counter("B")) == (10.0, 500.0)
     a.max_computed_tokens = 10
@@ -321,6 +323,7 @@ def test_a_provisional_charge_is_taken_back_when_the_request_goes_back_and_repla
     queue.push_front(r)
     assert counters.counter("gold") == 0.0
     assert queue.pop() is r
+    counters.drop_provisional()  # the step is scheduled
     counters.charge([_served(r, 0, 16)])  # a 16-token first chunk: what is charged
     assert counters.counter("gold") == 8.0
 
@@ -346,5 +349,23 @@ def test_sla_with_tenant_fairness_preempts_across_tenants_only_for_the_tenant_be
     for i in range(1, 20):
         preempted |= step(s, runner, now=0.1 * i).preempted_req_ids
     assert preempted == ({"running"} if displaced else set())
+    s.abort_requests(list(s.requests))
+    assert_no_leaks(s)
+
+
+def test_a_failed_step_s_provisional_charges_are_dropped_at_the_next_step():
+    # A step that fails is never charged: its admissions' provisional charges must not stay in
+    # the counters (they ranked their tenant behind, and lifted a tenant arriving meanwhile).
+    policy = VTCPolicy()
+    s = create_scheduler(policy=policy, max_num_batched_tokens=64, max_num_seqs=4, num_blocks=64)
+    s.add_request(_req("a", "A", prompt_len=16))
+    s.add_request(_req("b", "B", prompt_len=16))
+    out = s.schedule(now=0.0)
+    assert policy.counters.counter("A") == policy.counters.counter("B") == 0.0  # only while scheduling
+    s.fail_step(out, now=0.0)
+    s.add_request(_req("c", "A", prompt_len=8))  # lifted to B's 0, nothing of the failed step
+    out = step(s, PagedFakeRunner(s.block_size), now=1.0)
+    assert list(out.num_scheduled_tokens) == ["c"]
+    assert policy.counters.counter("A") == 8.0 + 2.0 and policy.counters.counter("B") == 0.0
     s.abort_requests(list(s.requests))
     assert_no_leaks(s)

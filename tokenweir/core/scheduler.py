@@ -385,7 +385,7 @@ class Scheduler:
             self.waiting.push_front(request)
         if step.prefills is not None:
             self._top_up(step)
-
+        self.policy.end_step(now)
         return self._make_output(step)
 
     def _get_limits(self, now: float) -> StepLimits:

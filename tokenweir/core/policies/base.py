@@ -118,6 +118,10 @@ class SchedulingPolicy(ABC):
     def begin_step(self, now: float, waiting: RequestQueue, running: Sequence[Request]) -> None:
         """Called once per step before anything is scheduled: re-score what depends on time."""
 
+    def end_step(self, now: float) -> None:
+        """Called once the step is scheduled (before it runs): drop what held only while it
+        was being built."""
+
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         """Called once per step after its results are applied, with every scheduled request
         (from the scheduler, a StepServed: read it with `served_rows`)."""

@@ -19,7 +19,7 @@ step computed, after it. So that the admissions of one step still alternate betw
 (charged after the step alone, the tenant behind would take every slot of a step whatever the
 prompts' sizes), a request taken from the queue for admission counts its prompt tokens not yet
 computed provisionally (`charge_admission`), until it goes back to the queue (`undo_admission`)
-or the step's `charge` replaces the provisional part by what was computed. Only a new arrival
+or the step is scheduled (`drop_provisional`); the step's `charge` then counts what it computed. Only a new arrival
 lifts a tenant: a request put back (passed over, preempted, swapped out) leaves its tenant's
 counter alone, as it was not idle and is owed the service it lost.
 """
@@ -212,9 +212,11 @@ class VirtualTokenCounters:
             if tenant in self._backlog:
                 self._push(tenant)
 
-    def charge(self, served: Sequence[ServedRequest]) -> None:
-        # The provisional charges of the step's admissions first come out: what was computed
-        # is charged instead.
+    def drop_provisional(self) -> None:
+        """Take out the provisional charges once the step is scheduled (the policies'
+        `end_step`): they only order the step's own admissions. Until the step's results come
+        back (`charge`) the counters then hold what earlier steps computed, which is what a
+        tenant arriving meanwhile is lifted to, and a step that fails leaves nothing behind."""
         for tenant, units in self._pending.items():
             if tenant in self.counters:
                 self.counters[tenant] -= units
@@ -222,6 +224,8 @@ class VirtualTokenCounters:
                     self._push(tenant)
         self._pending.clear()
         self._provisional.clear()
+
+    def charge(self, served: Sequence[ServedRequest]) -> None:
         cfg = self.config
         w_in, w_out = cfg.input_weight, cfg.output_weight
         growth: dict[Tenant, float] = {}

@@ -354,6 +354,10 @@ class SLAPolicy(SchedulingPolicy):
 
     # ------------------------------------------------------------ feedback and shedding
 
+    def end_step(self, now: float) -> None:
+        if self.counters is not None:
+            self.counters.drop_provisional()
+
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         n = self.config.num_priority_classes
         served_tokens, statics = self._served, self._statics

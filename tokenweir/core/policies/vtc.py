@@ -107,6 +107,9 @@ class VTCPolicy(SchedulingPolicy):
     def make_waiting_queue(self) -> RequestQueue:
         return TenantQueue(self.counters)
 
+    def end_step(self, now: float) -> None:
+        self.counters.drop_provisional()
+
     def select_victim(self, running: Sequence[Request], now: float) -> Request:
         counter = self.counters.counter
         return max(running, key=lambda r: (counter(r.tenant), r.arrival_time, r.request_id))
