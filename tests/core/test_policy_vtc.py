@@ -369,3 +369,51 @@ def test_a_failed_step_s_provisional_charges_are_dropped_at_the_next_step():
     assert policy.counters.counter("A") == 8.0 + 2.0 and policy.counters.counter("B") == 0.0
     s.abort_requests(list(s.requests))
     assert_no_leaks(s)
+
+
+def test_a_newly_backlogged_tenant_keeps_its_heap_entry_when_its_push_rebuilds_the_heap():
+    # The push that backlogs a tenant may be the one that rebuilds the heap from the backlogged
+    # tenants: the tenant must be among them by then (it was not: min_backlogged raised
+    # LookupError, or skipped it for a tenant further ahead).
+    counters = VirtualTokenCounters(VTCConfig())
+    counters.add_waiting("c")
+    counters.charge([_served(_req("c-old", "c", prompt_len=500), 0, 500)])
+    counters.add_waiting("a")
+    r = _req("x", "a", prompt_len=20)
+    for _ in range(500):  # a passed over again and again, as in a step's lookahead
+        if len(counters._heap) >= 4 * 1 + 64:  # the next push, with c alone backlogged, rebuilds
+            break
+        counters.remove_waiting("a")
+        counters.charge_admission(r)
+        counters.undo_admission(r)
+        counters.add_waiting("a", arrival=False)
+    counters.remove_waiting("a")
+    counters.add_waiting("b")  # lifted to c's 500; its push reaches the rebuild threshold
+    assert counters.counter("b") == 500.0
+    counters.charge([_served(_req("c-more", "c", prompt_len=10), 0, 10)])
+    assert counters.min_backlogged() == "b"  # c is ahead now
+
+
+def test_sla_with_tenant_fairness_looks_past_victims_the_tenant_rule_keeps():
+    # The scheduler stops at the first victim refused. c0 scores lowest but its tenant is not
+    # ahead of a's; b's is, far: a0 (urgent) displaces b0 (it was refused on c0 and never
+    # asked about b0).
+    import dataclasses
+
+    from tests.core.helpers import make_request
+    from tokenweir.core.policies import SLAConfig, SLAPolicy
+    policy = SLAPolicy(SLAConfig(tenant_fairness=True, protect_slos=False))
+    s = create_scheduler(policy=policy, max_num_batched_tokens=64, max_num_seqs=2, num_blocks=256)
+    runner = PagedFakeRunner(s.block_size)
+    s.add_request(make_request("b0", 8, tenant="b", max_tokens=500, ignore_eos=True, arrival_time=0.0))
+    s.add_request(make_request("c0", 8, tenant="c", max_tokens=500, ignore_eos=True, arrival_time=1.0))
+    for t in range(1, 6):
+        step(s, runner, now=float(t))
+    policy.counters.counters["b"] += 1000.0  # b served far more before
+    a = make_request("a0", 8, tenant="a", max_tokens=2, arrival_time=5.95, ignore_eos=True)
+    a.hints = dataclasses.replace(a.hints, ttft_slo=0.05)  # urgent: outscores both by the margin
+    s.add_request(a)
+    out = step(s, runner, now=6.0)
+    assert out.preempted_req_ids == {"b0"} and "a0" in out.num_scheduled_tokens
+    s.abort_requests(list(s.requests))
+    assert_no_leaks(s)

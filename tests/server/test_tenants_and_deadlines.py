@@ -86,6 +86,8 @@ def test_a_plain_api_key_beside_a_keys_file_is_refused(engine, tmp_path, capsys)
     with pytest.raises(ValueError, match=r"api_key \(--api-key\) and api_keys \(--api-keys-file\) are "
                                          r"exclusive: .* put the shared key in the file"):
         build_app(engine, api_key="shared", api_keys={"key-a": KeyGrant("alpha")})
+    with pytest.raises(ValueError, match=r"api_keys maps each key to a KeyGrant"):
+        build_app(engine, api_keys={"key-a": "alpha"})  # the form before grants
     path = tmp_path / "keys.json"
     path.write_text(json.dumps({"key-a": "alpha"}))
     with pytest.raises(SystemExit):

@@ -59,6 +59,8 @@ def guarded_paths(metrics_require_api_key: bool) -> tuple[str, ...]:
 
 def check_api_key_options(api_key: Optional[str], api_keys: Optional[dict[str, KeyGrant]]) -> None:
     """build_app's side of the exclusion (`serve`'s argparse group refuses the two flags)."""
+    if api_keys and not all(isinstance(grant, KeyGrant) for grant in api_keys.values()):
+        raise ValueError("api_keys maps each key to a KeyGrant (load_api_keys reads them from a keys file)")
     if api_key and api_keys:
         raise ValueError("api_key (--api-key) and api_keys (--api-keys-file) are exclusive: with a keys "
                          "file every key names its tenant; put the shared key in the file under a "

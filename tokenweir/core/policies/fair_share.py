@@ -157,12 +157,13 @@ class VirtualTokenCounters:
         only if its tenant's counter was pruned meanwhile): a lift raises what was charged, the
         step's provisional charges stay on top of it."""
         count = self._backlog.get(tenant, 0)
-        if count == 0:
-            if arrival or tenant not in self.counters:
-                pending = self._pending.get(tenant, 0.0)
-                self.counters[tenant] = max(self.counter(tenant) - pending, self.floor()) + pending
-            self._push(tenant)
+        if count == 0 and (arrival or tenant not in self.counters):
+            # The floor first, of the others: once backlogged, its own stale heap entry could be it.
+            pending = self._pending.get(tenant, 0.0)
+            self.counters[tenant] = max(self.counter(tenant) - pending, self.floor()) + pending
         self._backlog[tenant] = count + 1
+        if count == 0:
+            self._push(tenant)  # once backlogged: a heap rebuild in _push keeps the backlogged only
 
     def remove_waiting(self, tenant: Tenant) -> None:
         count = self._backlog[tenant] - 1

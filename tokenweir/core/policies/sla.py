@@ -235,11 +235,17 @@ class SLAPolicy(SchedulingPolicy):
         return self._exact_victim(running, now)
 
     def _exact_victim(self, running: Sequence[Request], now: float) -> Request:
-        """select_victim by every running request's score."""
+        """select_victim by every running request's score; while a request is being admitted,
+        those its tenant may not displace (`_tenant_keeps`) after the others, as the scheduler
+        stops at the first victim refused."""
         scores = self._running_scores
         self._score_running(running, now)
         k, horizon = self.config.max_preemptions, now - self.config.max_wait
+        admitting = self._admitting
+        # (An aged request being admitted displaces by age alone: may_preempt skips the rule.)
+        by_tenant = self.counters is not None and admitting is not None and not self._is_aged(admitting, now)
         victim = min(running, key=lambda r: (r.num_preemptions >= k, r.arrival_time <= horizon,
+                                             by_tenant and self._tenant_keeps(admitting, r),
                                              scores[r.request_id], -r.arrival_time, r.request_id))
         parts = self.explain(victim, now)
         if logger.isEnabledFor(logging.DEBUG):
@@ -343,14 +349,21 @@ class SLAPolicy(SchedulingPolicy):
                       == priority_class(victim.priority, self.config.num_priority_classes))
         if waiting.num_preemptions and same_class:
             return False
-        # With tenant fairness the queue ranks a class's tenants by VTC before scores, and so does
-        # preemption: within a class, another tenant's request is displaced only for a tenant
-        # still behind it with this request's prompt counted (its provisional charge; else the
-        # two could take turns), and then by score as well.
-        if (self.counters is not None and same_class and waiting.tenant != victim.tenant
-                and not self.counters.counter(waiting.tenant) < self.counters.counter(victim.tenant)):
+        if self._tenant_keeps(waiting, victim):
             return False
         return self.score(waiting, now) > self._running_score(victim, now) + self.config.preempt_margin
+
+    def _tenant_keeps(self, waiting: Request, victim: Request) -> bool:
+        """With tenant fairness the queue ranks a class's tenants by VTC before scores, and so
+        does preemption: within a class, another tenant's request is displaced only for a tenant
+        still behind it with this request's prompt counted (its provisional charge; else the two
+        could take turns), and then by score as well."""
+        if self.counters is None or waiting.tenant == victim.tenant:
+            return False
+        n = self.config.num_priority_classes
+        if priority_class(waiting.priority, n) != priority_class(victim.priority, n):
+            return False
+        return not self.counters.counter(waiting.tenant) < self.counters.counter(victim.tenant)
 
     # ------------------------------------------------------------ feedback and shedding
 
