@@ -9,7 +9,10 @@ becomes backlogged is lifted to the smallest counter of the other backlogged ten
 none, to the counter of the tenant last chosen), so time spent idle is not banked as credit.
 That rule gives VTC its bound: the counters of two backlogged tenants stay within 2U of each
 other, U the most that one request's admission or one step can add to one counter (the paper's
-Theorem; with weights, counters are in weighted units).
+Theorem, which has no preemption; with weights, counters are in weighted units). A preempted
+request's tenant keeps the credit it is owed (no lift when the request is put back), so under
+preemption the gap can exceed 2U (a review's random runs with KV pressure: up to 4.8U with
+recompute, 5.7U with swap, about as often as before that rule).
 
 Tokens computed again after a recompute preemption and prefix-cache hits are not charged: the
 tenant did not ask for that work.
