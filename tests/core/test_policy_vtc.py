@@ -385,8 +385,7 @@ def test_a_newly_backlogged_tenant_keeps_its_heap_entry_when_its_push_rebuilds_t
             break
         counters.remove_waiting("a")
         counters.charge_admission(r)
-        counters.undo_admission(r)
-        counters.add_waiting("a", arrival=False)
+        counters.put_back(r)
     counters.remove_waiting("a")
     counters.add_waiting("b")  # lifted to c's 500; its push reaches the rebuild threshold
     assert counters.counter("b") == 500.0

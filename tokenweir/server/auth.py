@@ -20,8 +20,8 @@ from starlette.requests import Request
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from tokenweir.metrics import NO_TENANT, OTHER_TENANTS
 from tokenweir.checks import is_integer
+from tokenweir.metrics import NO_TENANT, OTHER_TENANTS
 from tokenweir.request import MAX_KEY_CHARS, PRIORITY_MAX, PRIORITY_MIN
 from tokenweir.server.errors import APIError
 
@@ -138,7 +138,7 @@ class APIKeyMiddleware:
     def __init__(self, app: ASGIApp, api_keys: dict[str, Optional[KeyGrant]], guarded: tuple[str, ...]) -> None:
         """`api_keys`: key -> its grant (None: a key that grants nothing, `--api-key`)."""
         self.app = app
-        self.expected = [(key.encode(), tenant) for key, tenant in api_keys.items()]
+        self.expected = [(key.encode(), grant) for key, grant in api_keys.items()]
         self.guarded = guarded
 
     def _is_guarded(self, path: str) -> bool:

@@ -21,10 +21,10 @@ The paper charges a request's input at admission; here the counters are charged 
 step computed, after it. So that the admissions of one step still alternate between tenants
 (charged after the step alone, the tenant behind would take every slot of a step whatever the
 prompts' sizes), a request taken from the queue for admission counts its prompt tokens not yet
-computed provisionally (`charge_admission`), until it goes back to the queue (`undo_admission`)
-or the step is scheduled (`drop_provisional`); the step's `charge` then counts what it computed. Only a new arrival
-lifts a tenant: a request put back (passed over, preempted, swapped out) leaves its tenant's
-counter alone, as it was not idle and is owed the service it lost.
+computed provisionally (`charge_admission`), until it goes back to the queue (`put_back`) or
+the step is scheduled (`drop_provisional`); the step's `charge` then counts what it computed.
+Only a new arrival lifts a tenant: a request put back (passed over, preempted, swapped out)
+leaves its tenant's counter alone, as it was not idle and is owed the service it lost.
 """
 
 from __future__ import annotations
@@ -199,11 +199,13 @@ class VirtualTokenCounters:
             self._provisional[request.request_id] = (tenant, units)
             self._shift(tenant, units)
 
-    def undo_admission(self, request: Request) -> None:
-        """`request` goes back to the queue: its provisional charge, if any, is taken back."""
+    def put_back(self, request: Request) -> None:
+        """`request` goes back to wait (passed over, preempted, swapped out; not a new arrival):
+        its provisional charge, if any, is taken back, and its tenant is not lifted."""
         entry = self._provisional.pop(request.request_id, None)
         if entry is not None:
             self._shift(entry[0], -entry[1])
+        self.add_waiting(request.tenant, arrival=False)
 
     def _shift(self, tenant: Tenant, units: float) -> None:
         pending = self._pending.get(tenant, 0.0) + units

@@ -281,9 +281,7 @@ class SLAQueue(RequestQueue):
 
     def _put(self, request: Request, front: bool) -> None:
         if self.counters is not None:
-            if front:  # put back (passed over, preempted, swapped out): not a new arrival
-                self.counters.undo_admission(request)
-            self.counters.add_waiting(request.tenant, arrival=not front)
+            self.counters.put_back(request) if front else self.counters.add_waiting(request.tenant)
         if self.now - request.arrival_time >= self.cfg.max_wait:
             self._aged.appendleft(request) if front else self._aged.append(request)
             return

@@ -32,9 +32,7 @@ class TenantQueue(RequestQueue):
         if queue is None:
             queue = self._queues[tenant] = deque()
         queue.appendleft(request) if front else queue.append(request)
-        if front:  # put back (passed over, preempted, swapped out): not a new arrival
-            self.counters.undo_admission(request)
-        self.counters.add_waiting(tenant, arrival=not front)
+        self.counters.put_back(request) if front else self.counters.add_waiting(tenant)
         self._len += 1
 
     def add(self, request: Request) -> None:
