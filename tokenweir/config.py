@@ -276,6 +276,16 @@ class EngineArgs:
         "max_preemptions", "sla: a request preempted this many times is not preempted again for another")
     sla_drop_expired: bool = _sla_field(
         "drop_expired", "sla: finish requests whose deadline_ms has passed (error 504 deadline_exceeded)")
+    sla_drop_unmeetable: bool = _sla_field(
+        "drop_unmeetable", "sla: also finish requests whose deadline_ms cannot be met, by the step cost model "
+                           "(sla_cost_profile, scaled by measured step times): even served alone from now "
+                           "(remaining prefill in one step, then a decode step per token it must still sample: "
+                           "min_tokens, or max_tokens with ignore_eos and no stops), sla_unmeetable_margin x "
+                           "that time exceeds the time left (504 deadline_exceeded). An estimate of a fitted "
+                           "model, not a proof; sheds expired requests too")
+    sla_unmeetable_margin: float = _sla_field(
+        "unmeetable_margin", "sla: in (0, 1), the share of the cost model's lower bound that must still not fit "
+                             "before --sla-drop-unmeetable sheds a request (its slack for the model's error)")
     sla_protect_slos: bool = _sla_field(
         "protect_slos", "sla: keep a less important prefill out of a step that would make a more important "
                         "running request miss its TTFT or TPOT SLO (step times from sla_cost_profile)")

@@ -423,3 +423,23 @@ def test_a_request_shed_for_its_deadline_says_why(make_llm, tiny_model_dir):
     assert shed.outputs[0].finish_reason == "abort" and shed.status_message.startswith("deadline exceeded: ")
     assert kept.outputs[0].finish_reason == "length" and kept.status_message is None
     assert len(kept.outputs[0].token_ids) == 200
+
+
+def test_a_request_that_cannot_meet_its_deadline_is_shed_at_once_and_says_why(make_llm, tiny_model_dir, tmp_path):
+    from tokenweir.core.cost_model import FEATURES, StepCostModel
+
+    # A profile of a machine whose every step takes 1 s, trusted as it is: 10 tokens alone take
+    # 10 steps, x 0.8 = 8 s, more than a deadline of 2 s; 100 s leaves room.
+    profile = tmp_path / "slow.json"
+    slow = StepCostModel({**dict.fromkeys(FEATURES, 0.0), "step": 1.0}, swap_bytes_per_second=1e9)
+    profile.write_text(json.dumps(slow.to_dict()))
+    llm = make_llm(tiny_model_dir("llama"), scheduling_policy="sla", sla_drop_unmeetable=True,
+                   sla_cost_profile=str(profile), sla_step_time_correction=False, **KV)
+    params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
+    shed, kept = llm.generate(["one two three", "four five"], params, deadline=[2.0, 100.0], use_tqdm=False)
+    assert shed.outputs[0].finish_reason == "abort" and shed.outputs[0].token_ids == []
+    assert shed.status_message.startswith("deadline cannot be met: needs at least 8000 ms, ")
+    # The one that fits is served as it would be without a deadline (greedy, token for token).
+    alone = llm.generate("four five", params, use_tqdm=False)[0]
+    assert kept.status_message is None and kept.outputs[0].token_ids == alone.outputs[0].token_ids
+    assert len(alone.outputs[0].token_ids) == 10

@@ -192,3 +192,36 @@ def test_the_official_client_does_not_retry_a_shed_request(tiny_model_dir, engin
         else:
             assert_idle_and_released(engine)
         engine.shutdown()
+
+
+def test_the_official_client_reads_why_a_deadline_cannot_be_met(tiny_model_dir, tmp_path):
+    """--sla-drop-unmeetable: a request the step cost model says cannot finish by its deadline is
+    answered at once with a 504 whose message says what it needs and what is left, not retried."""
+    from tokenweir.core.cost_model import FEATURES, StepCostModel
+
+    profile = tmp_path / "slow.json"  # every step 1 s: 10 tokens alone, x 0.8, are 8 s
+    slow = StepCostModel({**dict.fromkeys(FEATURES, 0.0), "step": 1.0}, swap_bytes_per_second=1e9)
+    profile.write_text(json.dumps(slow.to_dict()))
+    engine = make_engine(tiny_model_dir("llama"), scheduling_policy="sla", sla_drop_unmeetable=True,
+                         sla_cost_profile=str(profile), sla_step_time_correction=False)
+    server = ServerThread(build_app(engine))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=60)
+        before = scrape(server.url)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.completions.create(model=MODEL, prompt="hello there", max_tokens=10,
+                                      extra_body={"ignore_eos": True, "deadline_ms": 2000})
+        assert info.value.status_code == 504 and info.value.code == "deadline_exceeded"
+        assert info.value.body["type"] == "timeout_error"
+        assert info.value.body["message"].startswith("deadline cannot be met: needs at least 8000 ms, ")
+        assert info.value.response.headers["x-should-retry"] == "false"
+        aborted = "tokenweir:request_success_total"
+        assert value(scrape(server.url), aborted, finished_reason="abort") - value(before, aborted, finished_reason="abort") == 1
+        # With room for it, the same request is served.
+        done = client.completions.create(model=MODEL, prompt="hello there", max_tokens=10,
+                                         extra_body={"ignore_eos": True, "deadline_ms": 100_000})
+        assert done.choices[0].finish_reason == "length" and done.usage.completion_tokens == 10
+    finally:
+        server.stop()
+        assert_engine_clean(engine)
+        engine.shutdown()

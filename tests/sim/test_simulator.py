@@ -174,3 +174,27 @@ def test_requests_a_policy_sheds_end_with_its_reason() -> None:
     shed = [r for r in result.records if not r.success]
     assert shed and all("deadline" in r.error for r in shed)
     assert_no_leaks(sim.scheduler)
+
+
+def test_requests_that_cannot_meet_their_deadline_are_shed_at_once(tmp_path) -> None:
+    from tests.sim.helpers import write_profile
+    from tokenweir.request import SchedulingHints
+
+    # Steps of 0.5 s: 4 outputs alone take 2 s, x 0.8 = 1.6 s. With drop_expired only, the first
+    # request holds the engine's one slot for 1 s of steps before its deadline passes, and the
+    # second one (deadline 2.6 s) then ends at 3 s, late; with drop_unmeetable the first is shed
+    # at 0 and the second one finishes at 2 s. The profile is the simulated machine's, as is.
+    model = cost_model(step=0.5)
+    profile = str(write_profile(tmp_path / "p.json", model))
+    requests = [req("hopeless", 4, 4, 0.0, hints=SchedulingHints(deadline=1.0)),
+                req("feasible", 4, 4, 0.0, hints=SchedulingHints(deadline=2.6))]
+    common = dict(scheduling_policy="sla", max_num_seqs=1, max_num_batched_tokens=16, sla_cost_profile=profile)
+    expired_only = make_sim(model, sla_drop_expired=True, **common).run(requests)
+    late = expired_only.records[1]
+    assert not expired_only.records[0].success and late.success and late.latency == pytest.approx(3.0)
+    sim = make_sim(model, sla_drop_unmeetable=True, sla_step_time_correction=False, **common)
+    hopeless, feasible = sim.run(requests).records
+    assert hopeless.error.startswith("deadline cannot be met: needs at least 1600 ms, 1000 ms left") and hopeless.output_tokens == 0
+    assert feasible.success and feasible.latency == pytest.approx(2.0)
+    assert sim.scheduler.policy.get_stats()["deadline_shed"] == {"expired": 0, "unmeetable": 1}
+    assert_no_leaks(sim.scheduler)

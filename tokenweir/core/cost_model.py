@@ -72,6 +72,18 @@ def chunk_composition(num_tokens: int, num_computed: int, total_tokens: int,
                            prefill_attention_pairs=pairs, num_sampled=samples)
 
 
+@dataclass(frozen=True, slots=True)
+class RemainingWork:
+    """The least a request still needs of the engine before it can finish (the scheduler's
+    `least_remaining_work`): its tokens whose K/V are computed or would be found in the prefix
+    cache now, and how many tokens it must still sample at least."""
+
+    num_tokens: int  # prompt plus outputs so far
+    num_prompt_tokens: int
+    num_computed_tokens: int  # < num_tokens: at least its last token is computed again
+    num_samples: int  # >= 1
+
+
 @dataclass(slots=True)
 class StepTally:
     """The composition of the step being built: the scheduler adds each request's share as it
@@ -191,6 +203,27 @@ class StepCostModel:
         features = feature_vector(chunk_composition(num_tokens, num_context, total, total))
         # Inside a step of other work: no per-step term (and the step is not a small one).
         return sum(w * x for name, w, x in zip(FEATURES, self._weights, features) if name != "step")
+
+    def least_service_seconds(self, work: RemainingWork) -> float:
+        """A lower bound, by this model, of the time a request with `work` left needs to finish
+        from now: all of its remaining chunk in one step alone, then one decode step alone per
+        further token. Any other schedule computes the same tokens in more steps or with other
+        rows (every coefficient is >= 0), except the small-step extra, which a larger step would
+        not pay: it is left out. Swap copies, the token budget's chunking and other requests'
+        rows only add to it. A bound of the fitted model, not of the machine."""
+        weights, knee = self._weights, self.decode_knee
+        first = chunk_composition(work.num_tokens - work.num_computed_tokens, work.num_computed_tokens,
+                                  work.num_tokens, work.num_prompt_tokens)
+        total = sum(w * x for w, x in zip(weights, feature_vector(first, 0, knee)))
+        n = work.num_samples - 1
+        if n > 0:
+            # Decode steps alone are linear in their context, which grows by one a step: n of the
+            # first one's time plus the context's coefficient times 0 + 1 + ... + (n - 1).
+            ctx = work.num_tokens + 1  # the tokens so far and the one the first step samples
+            one = StepComposition(num_decode_seqs=1, decode_context_tokens=ctx, num_sampled=1)
+            total += (n * sum(w * x for w, x in zip(weights, feature_vector(one, 0, knee)))
+                      + self.coefficients["decode_context"] * n * (n - 1) / 2)
+        return total
 
     def swap_seconds(self, num_bytes: int) -> float:
         return num_bytes / self.swap_bytes_per_second

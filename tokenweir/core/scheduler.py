@@ -21,7 +21,7 @@ from tokenweir.core.batch_control import BatchController, StepLimits, observe_st
 from tokenweir.core.batch_controllers import create_batch_controller
 from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.composition import create_admission_order
-from tokenweir.core.cost_model import StepCostModel, StepTally, chunk_composition, load_cost_model
+from tokenweir.core.cost_model import RemainingWork, StepCostModel, StepTally, chunk_composition, load_cost_model
 from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks, KVCacheManager, PrefixCacheStats, SwapPairs
 from tokenweir.core.policies import SchedulingPolicy, StepServed, create_policy
 from tokenweir.core.prefill_limits import PartialPrefillLimits, StepPrefills
@@ -324,6 +324,26 @@ class Scheduler:
                               batch_control=self.batch_controller.get_stats(),
                               longest_waiting={} if now is None else self._explain_longest_waiting(now))
 
+    def least_remaining_work(self, request: Request) -> RemainingWork:
+        """The least an unfinished request still needs before it can finish. Computed tokens: a
+        running or swapped-out request's own; a waiting one's prefix-cache hit now (tokens that
+        others compute for it later are still computed in some step before it ends). Tokens to
+        sample: it may stop at the first past min_tokens (EOS, a stop id or string), unless it
+        ignores EOS and has no stop ids or strings, when it runs to max_tokens; never more than
+        max_model_len leaves room for, and at least one."""
+        if request.status is _RUNNING or request.status == RequestStatus.SWAPPED:
+            computed = request.num_computed_tokens
+        else:
+            computed = self.kv_cache_manager.get_computed_blocks(request)[1]
+        params = request.sampling_params
+        if params.ignore_eos and not params.stop_token_ids and not params.stop and params.max_tokens is not None:
+            last = params.max_tokens
+        else:
+            last = params.min_tokens
+        num_tokens = request.num_tokens
+        samples = max(1, min(last - request.num_output_tokens, self.max_model_len - num_tokens))
+        return RemainingWork(num_tokens, request.num_prompt_tokens, computed, samples)
+
     # ------------------------------------------------------------------ one step
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
@@ -336,7 +356,7 @@ class Scheduler:
             step.prefills = self.prefill_limits.begin_step(self.policy, now)
         self.policy.begin_step(now, self.waiting, self.running)
         self.admission_order.begin_step(now, self.running)
-        for request, reason in self.policy.take_expired(now):  # overload shedding (sla)
+        for request, reason in self.policy.take_expired(now, self.least_remaining_work):  # overload shedding (sla)
             request.status_message = reason
             self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED, now)
 

@@ -17,6 +17,7 @@ the step's results came back.
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Optional
 
 from tokenweir.core.batch_control import StepObservation
@@ -28,6 +29,8 @@ CORRECTION_GAIN = 0.1
 # One step's ratio is taken within this factor of the running one: an outlier moves it little,
 # yet it reaches any scale (a GPU against the shipped CPU profile) within some steps.
 MAX_STEP_FACTOR = 10.0
+# `low_ratio` is the smallest ratio of this many recent steps (and the running one).
+LOW_RATIO_STEPS = 32
 
 
 class StepTimeCorrection:
@@ -42,6 +45,18 @@ class StepTimeCorrection:
         # The cost model's own prediction of the last observed step (no ratio): measured over it,
         # steps of different shapes compare (a knee the model lacks shows as a higher ratio).
         self.predicted = 0.0
+        self._recent: deque[float] = deque(maxlen=LOW_RATIO_STEPS)  # measured / predicted, unbounded
+
+    @property
+    def low_ratio(self) -> Optional[float]:
+        """The smallest of the running ratio and the last LOW_RATIO_STEPS steps' own ratios; None
+        before a step was measured. For a bound that must not overstate step times (sla's
+        unmeetable deadlines): the running ratio leaves a profile of a slower machine at a
+        fraction of its excess per step (0.91x at most), one step's own ratio tells it at once,
+        and a step shape the profile overweights shows here as a low ratio."""
+        if not self._recent:
+            return None
+        return min(self.ratio, min(self._recent))
 
     def begin_step(self, now: float) -> None:
         """The step being scheduled starts at `now`."""
@@ -62,6 +77,7 @@ class StepTimeCorrection:
         predicted = self.cost_model.predict(obs.composition)
         self.predicted = predicted
         if predicted > 0 and own > 0:
+            self._recent.append(own / predicted)
             r = self.ratio
             measured = min(MAX_STEP_FACTOR * r, max(r / MAX_STEP_FACTOR, own / predicted))
             self.ratio += CORRECTION_GAIN * (measured - r)

@@ -439,7 +439,7 @@ class AsyncLLMEngine:
             stream.put_output(output)
 
     def _expire(self, output: RequestOutput, message: str) -> None:
-        """A request the scheduler gave up on (its deadline passed): counted as finished
+        """A request the scheduler gave up on (its deadline passed, or cannot be met): counted as finished
         (aborted), and its stream ends with the error that says why."""
         if output.request_id in self._side.streams:
             self.metrics.record_finished(output, self._side.progress[output.request_id].hints)

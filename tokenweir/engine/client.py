@@ -25,8 +25,9 @@ class RequestFailedError(RuntimeError):
 
 
 class DeadlineExceededError(RequestFailedError):
-    """The engine gave up on the request: its deadline passed (overload shedding, sla's
-    drop_expired). The message says when."""
+    """The engine gave up on the request: its deadline passed, or by the step cost model cannot
+    be met (overload shedding, sla's drop_expired and drop_unmeetable). The message says when,
+    or what it needs and what was left."""
 
 
 @dataclass(frozen=True)

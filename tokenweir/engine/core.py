@@ -60,7 +60,7 @@ class StepResult:
     # left out of `outputs`; the caller reports the errors.
     failed: dict[str, BaseException]
     scheduler_output: SchedulerOutput  # what the step scheduled (its iteration stats)
-    # Requests the scheduler's policy gave up on while scheduling (deadline passed), with why:
+    # Requests the scheduler's policy gave up on while scheduling (deadline passed or unmeetable), with why:
     # finished (aborted, blocks freed), their final outputs are in `outputs`.
     expired: dict[str, str] = field(default_factory=dict)
 

@@ -2,7 +2,7 @@
 
 A client's mistake is a 4xx naming the field where there is one; an engine failure a 500 (503
 with Retry-After when the engine is gone); overload a 429 with Retry-After; a request shed at its
-deadline a 504 that tells clients not to retry it. The handlers also
+deadline, or before it because it cannot be met, a 504 that tells clients not to retry it. The handlers also
 turn pydantic's and Starlette's own errors (which would be 422 and plain text) into this shape.
 """
 

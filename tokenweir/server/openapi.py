@@ -21,7 +21,9 @@ _ERROR_MEANINGS = {
     429: "too many requests waiting (--max-waiting-requests); retry after Retry-After",
     500: "the engine failed this request",
     503: "the engine is not running; retry after Retry-After",
-    504: "its `deadline_ms` passed before it finished (--sla-drop-expired); retrying cannot help",
+    504: "its `deadline_ms` passed before it finished (--sla-drop-expired), or the step cost model says it "
+         "cannot be met (--sla-drop-unmeetable; the message says what it needs and what was left); retrying "
+         "cannot help",
 }
 # One server-sent event (OpenAPI 3.1 has a stream's `schema` describe each event): `data` is a
 # chunk of the response as JSON, an error object, or `[DONE]`.

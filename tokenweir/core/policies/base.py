@@ -10,12 +10,12 @@ scheduler never reads a clock, so the simulator and the engine make the same dec
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Optional
 
 from tokenweir.core.batch_control import StepObservation
-from tokenweir.core.cost_model import StepTally
+from tokenweir.core.cost_model import RemainingWork, StepTally
 from tokenweir.core.queues import RequestQueue
 from tokenweir.request import Request
 
@@ -132,9 +132,12 @@ class SchedulingPolicy(ABC):
         StepObservation the batch controller's `on_step` gets. The scheduler builds it (a pass
         over the step) only if the policy or the controller overrides its hook."""
 
-    def take_expired(self, now: float) -> Sequence[tuple[Request, str]]:
+    def take_expired(self, now: float,
+                     least_work: Callable[[Request], RemainingWork]) -> Sequence[tuple[Request, str]]:
         """Called once per step before anything is scheduled: requests (waiting or running) the
-        policy gives up on, each with why; the scheduler finishes them as aborted."""
+        policy gives up on, each with why; the scheduler finishes them as aborted. `least_work`
+        is the scheduler's `least_remaining_work`: the least an unfinished request still needs
+        (its prefix-cache hit counted), for a policy that judges whether it can still finish."""
         return ()
 
     def explain_request(self, request: Request, now: float) -> Optional[dict[str, object]]:

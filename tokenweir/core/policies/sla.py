@@ -1,5 +1,5 @@
-"""`sla`: adaptive priority by score (sla_score.py), with fairness, aging, hysteresis and an
-option to shed requests whose deadline has passed.
+"""`sla`: adaptive priority by score (sla_score.py), with fairness, aging, hysteresis and
+options to shed requests whose deadline has passed or cannot be met.
 
 Preemption ranks by the same score. Two rules keep it from thrashing:
 - hysteresis: a waiting request preempts a running one only if its score is higher by
@@ -15,6 +15,26 @@ blocks exactly before preempting anyone.
 The SLO guard (sla_guard.py) keeps a less important prefill out of a step that would make a
 more important request miss its TTFT or TPOT SLO; with `step_time_correction` its predicted
 step times are corrected by the measured ones (`on_step_observed`).
+
+Shedding (`take_expired`): with drop_expired, a request is finished once its deadline has
+passed; with drop_unmeetable also once the step cost model says it cannot finish in time even
+served alone from now: margin x ratio x `StepCostModel.least_service_seconds` of the scheduler's
+`least_remaining_work` (its remaining prefill after its prefix-cache hit in one step, then one
+decode step alone per token it must still sample: min_tokens, or max_tokens when nothing can
+stop it earlier) exceeds the time left. `ratio` is the step-time correction's low ratio (the
+smallest measured / predicted of the recent steps, so a profile of a slower machine does not
+make requests look hopeless; before a step is measured nothing is judged unmeetable), margin
+`unmeetable_margin` < 1 the slack for a fitted model's error. It is an estimate, not a proof.
+
+No pass over the waiting requests: one heap holds every unfinished request with a deadline,
+keyed by when to look at it again, its latest start (deadline - margin x ratio x bound) as of
+its last look. A request is looked at once it arrives (at the next step, with its hit) and
+then when its key passes; a look sheds it or pushes it back with a fresh key. Its bound only
+shrinks as it runs, and grows only when it is preempted (a recompute victim, back with its
+outputs to compute again), when it is looked at again on being put back; so keys are early
+(an extra look), and late only if the ratio rose or a cached prefix was evicted since (then it
+is shed later, never wrongly: a request is shed only by a look at its state now). So a step
+costs the policy a look per arrival, per preemption and per key passed, not per waiting request.
 """
 
 from __future__ import annotations
@@ -24,11 +44,11 @@ import itertools
 import logging
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 from tokenweir.core.batch_control import StepObservation
-from tokenweir.core.cost_model import StepTally, load_cost_model
+from tokenweir.core.cost_model import RemainingWork, StepTally, load_cost_model
 from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest, served_rows
 from tokenweir.core.policies.fair_share import VirtualTokenCounters
 from tokenweir.core.policies.sla_guard import SLOGuard
@@ -36,6 +56,7 @@ from tokenweir.core.policies.sla_queue import SLAQueue
 from tokenweir.core.policies.sla_score import (FAIRNESS_SHORTFALL, SLAConfig, ScoreParts, due_time,
                                                priority_class, score_parts, sigmoid, static_key, urgency)
 from tokenweir.core.queues import RequestQueue
+from tokenweir.core.step_timing import StepTimeCorrection
 from tokenweir.request import Request
 
 logger = logging.getLogger("tokenweir.sla")
@@ -56,7 +77,13 @@ class SLAPolicy(SchedulingPolicy):
         cfg = self.config
         self.counters = VirtualTokenCounters(cfg.vtc) if cfg.tenant_fairness else None
         n = cfg.num_priority_classes
-        self.guard = SLOGuard(load_cost_model(cfg.cost_profile), n) if cfg.protect_slos else None
+        cost_model = load_cost_model(cfg.cost_profile) if cfg.protect_slos or cfg.drop_unmeetable else None
+        self.guard = SLOGuard(cost_model, n) if cfg.protect_slos else None
+        # The step times unmeetable shedding predicts by: the guard's (one correction, fed once a
+        # step), or its own without a guard.
+        self.timing: Optional[StepTimeCorrection] = (
+            self.guard.timing if self.guard is not None
+            else StepTimeCorrection(cost_model) if cost_model is not None else None)
         # Tokens asked for and tokens computed per class, decayed over fairness_window.
         self._demand = [0.0] * n
         self._served = [0.0] * n
@@ -80,8 +107,13 @@ class SLAPolicy(SchedulingPolicy):
         # aged, only raises the true minimum, so a stale value is still a lower bound.
         self._key_floor = [math.inf] * n
         self._first_scan = False  # the next scan sees every running request (see select_victim)
-        self._deadlines: list[tuple[float, int, Request]] = []  # drop_expired: who expires when
+        # Shedding (see the module's doc): (when to look at it next, seq, request), a heap, and
+        # request id -> (the seq of its live entry, its tokens left to compute at that look).
+        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadline_seqs: dict[str, tuple[int, int]] = {}
         self._deadlines_kept = 0
+        self._unlooked: list[Request] = []  # drop_unmeetable: arrivals and put-backs since the last look
+        self.num_shed = {"expired": 0, "unmeetable": 0}
         self._seq = itertools.count()
         self.explained: dict[str, ScoreParts] = {}
         # Every queue this policy ordered (the scheduler's waiting queue and its swapped queue):
@@ -89,7 +121,7 @@ class SLAPolicy(SchedulingPolicy):
         self._queues: list[SLAQueue] = []
 
     def make_waiting_queue(self) -> RequestQueue:
-        queue = SLAQueue(self.config, self.counters, self._on_added, self._on_popped)
+        queue = SLAQueue(self.config, self.counters, self._on_added, self._on_popped, self._on_put_back)
         self._queues.append(queue)
         return queue
 
@@ -99,8 +131,22 @@ class SLAPolicy(SchedulingPolicy):
         max_tokens = request.sampling_params.max_tokens or 0
         self._demand[priority_class(request.priority, self.config.num_priority_classes)] += (
             request.num_prompt_tokens + max_tokens)
-        if self.config.drop_expired and request.deadline is not None:
-            heapq.heappush(self._deadlines, (request.deadline, next(self._seq), request))
+        if request.deadline is None:
+            return
+        if self.config.drop_unmeetable:
+            self._unlooked.append(request)  # looked at with its prefix-cache hit by the next step
+        elif self.config.drop_expired:
+            self._push_deadline(request, request.deadline)
+
+    def _on_put_back(self, request: Request) -> None:
+        """A request back in a queue of this policy: passed over, preempted or not swapped in. A
+        recompute victim has more to compute than at its last look (its outputs too): looked at
+        again. Any other keeps a key that is early, or the one it had."""
+        if self.config.drop_unmeetable and request.deadline is not None:
+            entry = self._deadline_seqs.get(request.request_id)
+            # (Without an entry it has not been looked at yet: it is among the unlooked.)
+            if entry is not None and request.num_tokens - request.num_computed_tokens > entry[1]:
+                self._unlooked.append(request)
 
     def begin_step(self, now: float, waiting: RequestQueue, running: Sequence[Request]) -> None:
         cfg = self.config
@@ -109,6 +155,8 @@ class SLAPolicy(SchedulingPolicy):
         self._admitting = None
         if self.guard is not None:
             self.guard.begin_step(now, running)
+        elif self.timing is not None:
+            self.timing.begin_step(now)
         if len(self._statics) > 2 * len(running) + 1024:  # those finished unscheduled (aborted), now and then
             live = {r.request_id for r in running}
             self._statics = {rid: v for rid, v in self._statics.items() if rid in live}
@@ -392,25 +440,93 @@ class SLAPolicy(SchedulingPolicy):
         # for this hook, rather than a new argument of begin_step (every policy's and the
         # scheduler loop's), since after the step's results it is the pool the next step starts from.
         self.kv_usage = observation.kv_cache_usage
-        if self.guard is not None and self.config.step_time_correction:
-            self.guard.observe(observation)
+        if self.config.step_time_correction:
+            if self.guard is not None:
+                self.guard.observe(observation)
+            elif self.timing is not None:
+                self.timing.observe(observation)
 
-    def take_expired(self, now: float) -> list[tuple[Request, str]]:
-        if not self.config.drop_expired:
+    def take_expired(self, now: float,
+                     least_work: Callable[[Request], RemainingWork]) -> list[tuple[Request, str]]:
+        cfg = self.config
+        if not (cfg.drop_expired or cfg.drop_unmeetable):
             return []
-        expired = []
-        heap = self._deadlines
+        shed: list[tuple[Request, str]] = []
+        ratio = self._unmeetable_ratio()
+        if self._unlooked:
+            unlooked, self._unlooked = self._unlooked, []
+            for request in unlooked:
+                if request.is_finished:
+                    continue
+                if ratio is None and request.deadline > now:
+                    self._unlooked.append(request)  # no step measured yet: looked at next step
+                else:
+                    self._look(request, now, ratio, least_work, shed)
+        heap, seqs = self._deadlines, self._deadline_seqs
+        due = []
         while heap and heap[0][0] <= now:
-            deadline, _, request = heapq.heappop(heap)
-            if not request.is_finished:
-                expired.append((request, f"deadline exceeded: the request's deadline of "
-                                         f"{request.hints.deadline * 1000:.0f} ms passed "
-                                         f"{(now - deadline) * 1000:.0f} ms ago, before it finished"))
-        if len(heap) > 2 * self._deadlines_kept + 64:  # finished requests' entries, now and then
-            self._deadlines = [item for item in heap if not item[2].is_finished]
-            heapq.heapify(self._deadlines)
-            self._deadlines_kept = len(self._deadlines)
-        return expired
+            _, seq, request = heapq.heappop(heap)
+            entry = seqs.get(request.request_id)
+            if not request.is_finished and entry is not None and entry[0] == seq:
+                due.append(request)
+        for request in due:  # after the pops: a fresh key is never <= now, but floats round
+            self._look(request, now, ratio, least_work, shed)
+        if len(heap) > 2 * self._deadlines_kept + 64:  # finished and superseded entries, now and then
+            live = [item for item in heap if not item[2].is_finished
+                    and seqs.get(item[2].request_id, (None,))[0] == item[1]]
+            heapq.heapify(live)
+            self._deadlines = live
+            self._deadline_seqs = {item[2].request_id: seqs[item[2].request_id] for item in live}
+            self._deadlines_kept = len(live)
+        return shed
+
+    def _unmeetable_ratio(self) -> Optional[float]:
+        """What the cost model's step times are scaled by when judging deadlines (None: not now)."""
+        if not self.config.drop_unmeetable:
+            return None
+        if not self.config.step_time_correction:
+            return 1.0  # the profile, of this machine (sla_score.py refuses the shipped one)
+        assert self.timing is not None
+        return self.timing.low_ratio
+
+    def _push_deadline(self, request: Request, key: float) -> None:
+        seq = next(self._seq)
+        self._deadline_seqs[request.request_id] = (seq, request.num_tokens - request.num_computed_tokens)
+        heapq.heappush(self._deadlines, (key, seq, request))
+
+    def _look(self, request: Request, now: float, ratio: Optional[float],
+              least_work: Callable[[Request], RemainingWork], shed: list[tuple[Request, str]]) -> None:
+        """Shed `request` if its deadline has passed or (with `ratio`) cannot be met, else push it
+        back keyed by when that would change."""
+        deadline = request.deadline
+        assert deadline is not None
+        left = deadline - now
+        # Shed or re-keyed below: an entry it still has in the heap is no longer its own.
+        self._deadline_seqs.pop(request.request_id, None)
+        if left <= 0:
+            self.num_shed["expired"] += 1
+            shed.append((request, f"deadline exceeded: the request's deadline of "
+                                  f"{request.hints.deadline * 1000:.0f} ms passed "
+                                  f"{-left * 1000:.0f} ms ago, before it finished"))
+            return
+        if ratio is None:
+            self._push_deadline(request, deadline)
+            return
+        assert self.timing is not None
+        work = least_work(request)
+        predicted = ratio * self.timing.cost_model.least_service_seconds(work)
+        need = self.config.unmeetable_margin * predicted
+        if need > left:
+            self.num_shed["unmeetable"] += 1
+            shed.append((request, f"deadline cannot be met: needs at least {need * 1000:.0f} ms, "
+                                  f"{left * 1000:.0f} ms left of its {request.hints.deadline * 1000:.0f} ms "
+                                  f"deadline (estimated: {self.config.unmeetable_margin:g} x the step cost "
+                                  f"model's {predicted * 1000:.0f} ms for its "
+                                  f"{work.num_tokens - work.num_computed_tokens} tokens left to compute in "
+                                  f"one step and {work.num_samples - 1} more tokens, a decode step each, "
+                                  f"served alone)"))
+            return
+        self._push_deadline(request, deadline - need)
 
     def get_stats(self) -> dict[str, object]:
         stats: dict[str, object] = {
@@ -422,6 +538,8 @@ class SLAPolicy(SchedulingPolicy):
         }
         if self.counters is not None:
             stats["tenant_counters"] = self.counters.snapshot()
+        if self.config.drop_expired or self.config.drop_unmeetable:
+            stats["deadline_shed"] = dict(self.num_shed)  # cumulative, by why
         if self.guard is not None:
             stats["slo_guard_refusals"] = self.guard.num_refused
             stats["slo_guard_step_time_ratio"] = self.guard.timing.ratio  # measured / predicted

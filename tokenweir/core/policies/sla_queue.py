@@ -254,11 +254,13 @@ class SLAQueue(RequestQueue):
     scale, each class's compensation) in `begin_step` before anything is popped."""
 
     def __init__(self, cfg: SLAConfig, counters: Optional[VirtualTokenCounters],
-                 on_added: Callable[[Request], None], on_popped: Callable[[Request], None]) -> None:
+                 on_added: Callable[[Request], None], on_popped: Callable[[Request], None],
+                 on_put_back: Callable[[Request], None]) -> None:
         self.cfg = cfg
         self.counters = counters  # tenant fairness within a class; None: off
         self._on_added = on_added  # a new arrival (not a request put back)
         self._on_popped = on_popped
+        self._on_put_back = on_put_back  # push_front: passed over, preempted, not swapped in
         self._classes: list[dict[Tenant, _ScoredHeaps]] = [{} for _ in range(cfg.num_priority_classes)]
         self._entries: dict[str, _Entry] = {}
         # (arrival time, seq, request id): to find who reaches max_wait (numbers and a string:
@@ -278,6 +280,7 @@ class SLAQueue(RequestQueue):
 
     def push_front(self, request: Request) -> None:
         self._put(request, front=True)
+        self._on_put_back(request)
 
     def _put(self, request: Request, front: bool) -> None:
         if self.counters is not None:

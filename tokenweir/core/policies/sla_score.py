@@ -65,6 +65,8 @@ from tokenweir.request import Request
 
 # Below the served share 0.8 x the expected share a class gets compensation (the seed's rule).
 FAIRNESS_SHORTFALL = 0.8
+# unmeetable_margin's default (a margin other than it without drop_unmeetable is refused).
+_UNMEETABLE_MARGIN = 0.8
 # exp() of the sigmoid argument is clamped here: beyond it the sigmoid is 0 or 1 in floats.
 _SIGMOID_CLAMP = 60.0
 
@@ -94,6 +96,14 @@ class SLAConfig(PolicyConfig):
     preempt_margin: float = 1.5
     max_preemptions: int = 2  # k: a request preempted k times is not preempted for another
     drop_expired: bool = False  # finish requests whose deadline has passed (overload shedding)
+    # Also finish, before their deadline passes, requests that cannot meet it by the step cost
+    # model (cost_profile, scaled by the measured step times): its lower bound of the time the
+    # request still needs served alone from now (its remaining prefill in one step, then the
+    # decode steps it must still take; sla.py), times unmeetable_margin, does not fit in the
+    # time left. An estimate from a fitted model, not a proof: the margin (< 1) is its slack.
+    # Sheds expired requests too (a passed deadline cannot be met).
+    drop_unmeetable: bool = False
+    unmeetable_margin: float = _UNMEETABLE_MARGIN
     # Keep a less important prefill out of a step that would make a more important request
     # miss its TTFT or TPOT SLO (sla_guard.py), by the step times of `cost_profile`.
     protect_slos: bool = True
@@ -132,9 +142,21 @@ class SLAConfig(PolicyConfig):
                 raise ValueError(f"sla {name} must be an integer >= {minimum}, got {value!r}")
         if self.cost_profile is not None and not isinstance(self.cost_profile, str):
             raise ValueError(f"sla cost_profile must be a path, got {self.cost_profile!r}")
-        for name in ("drop_expired", "tenant_fairness", "protect_slos", "step_time_correction"):
+        for name in ("drop_expired", "drop_unmeetable", "tenant_fairness", "protect_slos", "step_time_correction"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sla {name} must be true or false, got {getattr(self, name)!r}")
+        if not 0 < self.unmeetable_margin < 1:
+            raise ValueError(f"sla unmeetable_margin must be in (0, 1): the share of the cost model's lower "
+                             f"bound of a request's remaining time that must still not fit in the time left "
+                             f"before it is shed, got {self.unmeetable_margin!r}")
+        if not self.drop_unmeetable and self.unmeetable_margin != _UNMEETABLE_MARGIN:
+            raise ValueError(f"sla unmeetable_margin ({self.unmeetable_margin!r}) applies only with drop_unmeetable")
+        if self.drop_unmeetable and self.cost_profile is None and not self.step_time_correction:
+            # The shipped profile is of one model on one CPU: uncorrected, it could call a
+            # request on another machine hopeless that would finish in time.
+            raise ValueError("sla drop_unmeetable needs step times of this machine: give cost_profile (a "
+                             "`tokenweir profile` JSON taken on it) or keep step_time_correction on (it "
+                             "scales the shipped CPU profile by the measured step times)")
         if not isinstance(self.vtc, VTCConfig):
             raise ValueError(f"sla vtc must be a VTCConfig, got {type(self.vtc).__name__}")
 

@@ -1,0 +1,286 @@
+"""`sla` with drop_unmeetable: requests whose deadline the step cost model says cannot be met are
+shed before it passes, with the reason; hand-computed bounds, a preempted request, and a random
+check that nobody shed could have finished in time even alone (and that nothing leaks)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Optional
+
+import pytest
+
+from tests.core.helpers import PagedFakeRunner, assert_no_leaks, create_scheduler, reference_stream
+from tokenweir.config import EngineArgs
+from tokenweir.core.cost_model import FEATURES, RemainingWork, StepCostModel, step_composition
+from tokenweir.core.policies import SLAConfig, SLAPolicy
+from tokenweir.core.scheduler import Scheduler, SchedulerOutput
+from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
+
+# Hand-computable: a step costs 10 ms plus 1 ms per token it computes (nothing else counts).
+COST = StepCostModel({**dict.fromkeys(FEATURES, 0.0), "step": 0.010, "tokens": 0.001}, swap_bytes_per_second=1e9)
+
+
+def _profile(tmp_path: Path, model: StepCostModel = COST) -> str:
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(model.to_dict()))
+    return str(path)
+
+
+def _policy(tmp_path: Path, **kw) -> SLAPolicy:
+    # The profile is the machine here: trusted as it is (no correction), so judged from step 0.
+    kw.setdefault("step_time_correction", False)
+    return SLAPolicy(SLAConfig(drop_unmeetable=True, cost_profile=_profile(tmp_path), **kw))
+
+
+def _req(rid: str, prompt: list[int], deadline: Optional[float], arrival: float = 0.0, priority: int = 0,
+         **params) -> Request:
+    return Request(rid, prompt, SamplingParams(**params), arrival_time=arrival,
+                   hints=SchedulingHints(priority=priority, deadline=deadline))
+
+
+def _step(s: Scheduler, runner: PagedFakeRunner, now: float, cost: StepCostModel = COST) -> tuple[SchedulerOutput, float]:
+    """One step on the cost model's clock: it ends `predict(its composition)` after `now`."""
+    out = s.schedule(now=now)
+    end = now + cost.predict(step_composition(out, s.requests, s.cache_config.kv_block_bytes))
+    s.update_from_output(out, runner.execute(out), now=end)
+    return out, end
+
+
+def _tokens(n: int, base: int) -> list[int]:
+    return list(range(base, base + n))
+
+
+def test_hand_computed_bounds_shed_at_once_and_keep_what_fits(tmp_path):
+    s = create_scheduler(policy=_policy(tmp_path), max_num_batched_tokens=128, max_num_seqs=4, num_blocks=128)
+    runner = PagedFakeRunner(s.block_size)
+    # 40 prompt tokens, exactly 8 outputs (ignore_eos, no stops): alone, one 50 ms step (10 + 40)
+    # and 7 decode steps of 11 ms: 127 ms; x 0.8 = 101.6 ms.
+    params = dict(max_tokens=8, ignore_eos=True, temperature=0.0)
+    out_of_reach = _req("out", _tokens(40, 1000), deadline=0.100, **params)
+    inside = _req("inside", _tokens(40, 2000), deadline=0.104, **params)
+    for r in (out_of_reach, inside):
+        s.add_request(r)
+    out, now = _step(s, runner, 0.0)
+    assert out_of_reach.status == RequestStatus.FINISHED_ABORTED and out_of_reach.finished_time == 0.0
+    assert out_of_reach.status_message.startswith("deadline cannot be met: needs at least 102 ms, 100 ms left "
+                                                  "of its 100 ms deadline (estimated: 0.8 x the step cost "
+                                                  "model's 127 ms for its 40 tokens left to compute")
+    assert "out" in out.finished_req_ids and out.num_scheduled_tokens == {"inside": 40}
+    assert s.policy.get_stats()["deadline_shed"] == {"expired": 0, "unmeetable": 1}
+    # Inside the margin, it is served until its bound no longer fits: after its 50 ms prefill
+    # with 7 tokens to go, 0.8 x 77 ms = 61.6 ms > the 54 ms left.
+    assert inside.num_output_tokens == 1 and now == pytest.approx(0.05)
+    _step(s, runner, now)
+    assert inside.is_finished and inside.status_message.startswith(
+        "deadline cannot be met: needs at least 62 ms, 54 ms left")
+    assert_no_leaks(s)
+
+    # One that fits alone is served to its end, its greedy tokens those of a run alone.
+    fits = _req("fits", _tokens(40, 3000), deadline=0.128, arrival=now, **params)
+    s.add_request(fits)
+    while s.has_unfinished_requests():
+        _, now = _step(s, runner, now)
+    assert fits.status == RequestStatus.FINISHED_LENGTH and fits.finished_time <= fits.deadline
+    assert fits.output_token_ids == reference_stream(fits.prompt_token_ids, 8)
+    # Its prefix is cached now: the same prompt needs one 4-token chunk (10 + 4 ms) and the 7
+    # decodes, 91 ms (x 0.8 = 72.8): a deadline of 95 ms is met; without the hit it would not fit.
+    again = _req("again", list(fits.prompt_token_ids), deadline=0.095, arrival=now, **params)
+    s.add_request(again)
+    start = now
+    while s.has_unfinished_requests():
+        _, now = _step(s, runner, now)
+    assert again.status == RequestStatus.FINISHED_LENGTH and again.num_cached_tokens == 36
+    assert now - start == pytest.approx(0.091) and again.output_token_ids == fits.output_token_ids
+    assert s.policy.get_stats()["deadline_shed"] == {"expired": 0, "unmeetable": 2}
+    assert_no_leaks(s)
+
+
+def test_the_bound_counts_min_tokens_not_max_tokens_unless_nothing_can_stop_it(tmp_path):
+    s = create_scheduler(policy=_policy(tmp_path), max_num_batched_tokens=128, num_blocks=128)
+    cases = {"may_stop": dict(max_tokens=50), "min_tokens": dict(max_tokens=50, min_tokens=20),
+             "runs_to_max": dict(max_tokens=50, ignore_eos=True),
+             "stop_id": dict(max_tokens=50, ignore_eos=True, stop_token_ids=[7]),
+             "stop_string": dict(max_tokens=50, ignore_eos=True, stop=["x"])}
+    requests = {rid: _req(rid, _tokens(10, 1000 * i), deadline=10.0, **p) for i, (rid, p) in enumerate(cases.items())}
+    for r in requests.values():
+        s.add_request(r)
+    samples = {rid: s.least_remaining_work(r).num_samples for rid, r in requests.items()}
+    assert samples == {"may_stop": 1, "min_tokens": 20, "runs_to_max": 50, "stop_id": 1, "stop_string": 1}
+    # 10 prompt tokens and 20 min tokens: 10 + 10 ms, then 19 decode steps of 11 ms.
+    assert COST.least_service_seconds(s.least_remaining_work(requests["min_tokens"])) == pytest.approx(0.229)
+    # max_model_len ends it whatever it asks: 32 - 10 tokens of room.
+    short = create_scheduler(policy="fcfs", max_model_len=32)
+    r = _req("r", _tokens(10, 1), deadline=None, max_tokens=50, ignore_eos=True)
+    short.add_request(r)
+    assert short.least_remaining_work(r) == RemainingWork(10, 10, 0, 22)
+
+
+def test_a_request_preempted_with_its_outputs_to_recompute_is_shed_at_the_next_step(tmp_path):
+    # No prefix cache: a recompute victim computes its prompt and outputs again. r may stop at
+    # any token (no ignore_eos), so its bound is its prefill and one token: at arrival 10 + 8 ms.
+    s = create_scheduler(policy=_policy(tmp_path), max_num_batched_tokens=64, max_num_seqs=1, num_blocks=64,
+                         enable_prefix_caching=False)
+    runner = PagedFakeRunner(s.block_size)
+    # 18 ms of prefill, then 39 decodes of 11 ms: 40 outputs at 447 ms. Then h, more important,
+    # takes its slot: its 40-token prefill ends at 497 ms. r's bound is now 10 + 48 ms, x 0.8 =
+    # 46.4 ms, and 30 ms are left: shed there, 15 ms before the key of its look at arrival.
+    r = _req("r", _tokens(8, 1000), deadline=0.527, priority=1, max_tokens=100, temperature=0.0)
+    s.add_request(r)
+    now = 0.0
+    while r.num_output_tokens < 40:
+        _, now = _step(s, runner, now)
+    assert now == pytest.approx(0.447)
+    h = _req("h", _tokens(40, 5000), deadline=None, arrival=now, max_tokens=3)
+    s.add_request(h)
+    out, now = _step(s, runner, now)
+    assert out.preempted_req_ids == {"r"} and r.status == RequestStatus.PREEMPTED
+    out, now = _step(s, runner, now)
+    assert "r" in out.finished_req_ids and r.status == RequestStatus.FINISHED_ABORTED
+    assert r.finished_time == pytest.approx(0.497) and r.num_output_tokens == 40
+    assert r.status_message.startswith("deadline cannot be met: needs at least 46 ms, 30 ms left of its 527 ms "
+                                       "deadline (estimated: 0.8 x the step cost model's 58 ms for its 48 tokens")
+    while s.has_unfinished_requests():
+        _, now = _step(s, runner, now)
+    assert h.status == RequestStatus.FINISHED_LENGTH
+    assert_no_leaks(s)
+
+
+def test_nothing_is_judged_before_a_step_was_measured_when_the_profile_is_corrected(tmp_path):
+    # With the correction on, the profile may be of another machine: a measured step comes
+    # before any verdict. Here steps take 10x the profile's time.
+    s = create_scheduler(policy=_policy(tmp_path, step_time_correction=True), max_num_batched_tokens=64)
+    runner = PagedFakeRunner(s.block_size)
+    # Alone by the profile: 18 + 4 x 11 ms; 0.8 x 62 = 49.6 ms > 45 ms, but not judged yet.
+    a = _req("a", _tokens(8, 1000), deadline=0.045, max_tokens=5, ignore_eos=True)
+    s.add_request(a)
+    out = s.schedule(now=0.0)
+    assert out.num_scheduled_tokens == {"a": 8}
+    s.update_from_output(out, runner.execute(out), now=0.18)  # 10x the 18 ms predicted
+    # The running ratio moved to 1 + 0.1 x (10 - 1) = 1.9 (the lower of it and the step's 10):
+    # 0.8 x 1.9 x 62 ms = 94 ms > 90 ms.
+    b = _req("b", _tokens(8, 2000), deadline=0.09, arrival=0.18, max_tokens=5, ignore_eos=True)
+    s.add_request(b)
+    out = s.schedule(now=0.18)
+    assert a.status_message.startswith("deadline exceeded: the request's deadline of 45 ms passed 135 ms ago")
+    assert b.status_message.startswith("deadline cannot be met: needs at least 94 ms, 90 ms left")
+    s.update_from_output(out, runner.execute(out), now=0.18)
+    assert s.policy.get_stats()["deadline_shed"] == {"expired": 1, "unmeetable": 1}
+    assert_no_leaks(s)
+
+
+def test_a_machine_faster_than_its_profile_is_judged_by_its_fastest_recent_steps(tmp_path):
+    # Steps take a tenth of the profile's time. After one step the running ratio is still
+    # 1 + 0.1 x (0.1 - 1) = 0.91; the step's own 0.1 is the one the bound takes.
+    fast = StepCostModel({**dict.fromkeys(FEATURES, 0.0), "step": 0.001, "tokens": 0.0001}, swap_bytes_per_second=1e9)
+    s = create_scheduler(policy=_policy(tmp_path, step_time_correction=True), max_num_batched_tokens=128,
+                         num_blocks=128)
+    runner = PagedFakeRunner(s.block_size)
+    s.add_request(_req("first", _tokens(8, 1000), deadline=None, max_tokens=1))
+    _, now = _step(s, runner, 0.0, fast)
+    assert s.policy.timing.ratio == pytest.approx(0.91) and s.policy.timing.low_ratio == pytest.approx(0.1)
+    # 127 ms by the profile: 0.8 x 0.91 x 127 = 92 ms would not fit in 50 ms; 0.8 x 0.1 x 127 does,
+    # and on this machine it takes 12.7 ms.
+    c = _req("c", _tokens(40, 2000), deadline=0.05, arrival=now, max_tokens=8, ignore_eos=True, temperature=0.0)
+    s.add_request(c)
+    while s.has_unfinished_requests():
+        _, now = _step(s, runner, now, fast)
+    assert c.status == RequestStatus.FINISHED_LENGTH and c.finished_time - c.arrival_time == pytest.approx(0.0127)
+    assert_no_leaks(s)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(scheduling_policy="fcfs", sla_drop_unmeetable=True), "sla_drop_unmeetable only apply to scheduling_policy 'sla'"),
+    (dict(scheduling_policy="sla", sla_drop_unmeetable=True, sla_step_time_correction=False),
+     "sla drop_unmeetable needs step times of this machine: give cost_profile"),
+    (dict(scheduling_policy="sla", sla_drop_unmeetable=True, sla_unmeetable_margin=1.0),
+     r"sla unmeetable_margin must be in \(0, 1\)"),
+    (dict(scheduling_policy="sla", sla_unmeetable_margin=0.5), r"sla unmeetable_margin \(0.5\) applies only with drop_unmeetable"),
+])
+def test_bad_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**kwargs)
+
+
+def _least_samples(r: Request) -> int:
+    """The fewest tokens a request could still sample before it finishes (the test's own account)."""
+    p = r.sampling_params
+    if p.ignore_eos and not p.stop_token_ids and not p.stop:
+        return p.max_tokens - r.num_output_tokens
+    return max(1, p.min_tokens - r.num_output_tokens)
+
+
+def _alone(tokens: list[int], computed: int, samples: int, cost: StepCostModel, block_size: int) -> float:
+    """How long a request in this state takes served alone by a fresh engine: its first
+    `computed` tokens in the prefix cache (put there by a request run before it), then it runs
+    with nothing else, to exactly `samples` more tokens."""
+    s = create_scheduler(policy="fcfs", max_num_batched_tokens=4096, num_blocks=512, block_size=block_size)
+    runner = PagedFakeRunner(block_size)
+    if computed >= block_size:
+        # Its full blocks are published: the probe hits the whole blocks of `computed` (up to
+        # block_size - 1 tokens fewer: alone is then a little slower than from the real state).
+        s.add_request(_req("warm", tokens[:computed], deadline=None, max_tokens=1))
+        now = 0.0
+        while s.has_unfinished_requests():
+            _, now = _step(s, runner, now, cost)
+    probe = _req("probe", tokens, deadline=None, max_tokens=samples, min_tokens=samples, ignore_eos=True)
+    s.add_request(probe)
+    start = now = 100.0
+    while s.has_unfinished_requests():
+        _, now = _step(s, runner, now, cost)
+    assert probe.num_output_tokens == samples
+    return now - start
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_overload_sheds_only_requests_that_could_not_finish_in_time_even_alone(tmp_path, seed):
+    rng = random.Random(seed)
+    cost = StepCostModel({**dict.fromkeys(FEATURES, 0.0), "step": rng.uniform(0.005, 0.02),
+                          "tokens": rng.uniform(0.0002, 0.002), "prefill_attention": rng.uniform(0, 1e-6),
+                          "decode_context": rng.uniform(0, 1e-5), "seqs": rng.uniform(0, 0.001),
+                          "small_step": rng.choice([0.0, 0.005])}, swap_bytes_per_second=1e9,
+                         small_step_max_tokens=8)
+    mode = rng.choice(["recompute", "swap"])
+    cfg = SLAConfig(drop_unmeetable=True, drop_expired=rng.random() < 0.5, cost_profile=_profile(tmp_path, cost),
+                    step_time_correction=rng.random() < 0.5, unmeetable_margin=rng.choice([0.5, 0.8, 0.95]))
+    s = create_scheduler(policy=SLAPolicy(cfg), max_num_batched_tokens=rng.choice([32, 64]), max_num_seqs=6,
+                         num_blocks=rng.choice([24, 48]), preemption_mode=mode,
+                         num_host_blocks=64 if mode == "swap" else 0, kv_block_bytes=1024)
+    runner = PagedFakeRunner(s.block_size)
+    prefixes = [_tokens(rng.randint(4, 24), 10_000 * (i + 1)) for i in range(3)]
+    arrivals, now, t = [], 0.0, 0.0
+    for i in range(40):
+        t += rng.expovariate(30.0)
+        prompt = rng.choice(prefixes) + _tokens(rng.randint(1, 12), 100_000 + 100 * i)
+        params = rng.choice([dict(max_tokens=rng.randint(1, 12), ignore_eos=True),
+                             dict(max_tokens=12, min_tokens=rng.randint(0, 6)),
+                             dict(max_tokens=12, ignore_eos=True, stop_token_ids=[5])])
+        deadline = rng.choice([None, rng.uniform(0.02, 0.4)])
+        arrivals.append(_req(f"r{i}", prompt, deadline, arrival=t, priority=rng.randint(0, 2), **params))
+    shed: list[tuple[Request, float, list[int], int, int]] = []  # (request, when, tokens, computed, samples)
+    pending = list(arrivals)
+    for _ in range(5000):
+        if not (pending or s.has_unfinished_requests()):
+            break
+        if not s.has_unfinished_requests():
+            now = max(now, pending[0].arrival_time)
+        while pending and pending[0].arrival_time <= now:
+            s.add_request(pending.pop(0))
+        # What each request with a deadline has before this step, for those the step sheds.
+        before = {r.request_id: (r, list(r.all_token_ids), s.least_remaining_work(r).num_computed_tokens,
+                                 _least_samples(r)) for r in s.requests.values() if r.deadline is not None}
+        out, now = _step(s, runner, now, cost)
+        for rid in out.finished_req_ids:
+            if rid in before and (before[rid][0].status_message or "").startswith("deadline cannot be met"):
+                r, tokens, computed, samples = before[rid]
+                shed.append((r, r.finished_time, tokens, computed, samples))
+    assert not pending
+    assert_no_leaks(s)
+    for r, when, tokens, computed, samples in shed:
+        assert r.status == RequestStatus.FINISHED_ABORTED and when < r.deadline
+        assert when + _alone(tokens, computed, samples, cost, s.block_size) > r.deadline, r.request_id
+    for r in arrivals:
+        assert r.is_finished
+        if r.status_message is None:  # served to its end
+            assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
