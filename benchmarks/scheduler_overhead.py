@@ -50,6 +50,14 @@ def mixed_hints(i: int) -> SchedulingHints:
                            deadline=600.0 if i % 10 == 9 else None)
 
 
+def all_deadline_hints(i: int) -> SchedulingHints:
+    """mixed_hints with a deadline on every request (600 s: none is shed while measured), for
+    the cost of sla's drop_unmeetable bookkeeping: every arrival is looked at."""
+    h = mixed_hints(i)
+    return SchedulingHints(priority=h.priority, tenant=h.tenant, ttft_slo=h.ttft_slo, tpot_slo=h.tpot_slo,
+                           deadline=600.0)
+
+
 def batch_backlog_hints(i: int) -> SchedulingHints:
     """Overload as it looks under `sla`: the running requests mix both classes (the first 256
     of the burst), the backlog is batch only (interactive arrivals are admitted at once), so the
@@ -164,6 +172,8 @@ def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs"
     label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
     if hints_of is batch_backlog_hints:
         label += ", batch-only backlog"
+    elif hints_of is all_deadline_hints:
+        label += ", a deadline on every request"
     options = dict(options or {})
     composition = options.pop("composition", None)
     if options.pop("batch_controller", None) is not None:
@@ -206,7 +216,7 @@ def churn_request(i: int, hints: SchedulingHints, arrival_time: float) -> Reques
 
 def measure_churn(num_running: int, num_waiting: int, steps: int,
                   composition: CompositionConfig = CompositionConfig(), policy: str = "fcfs",
-                  policy_config=None) -> dict:
+                  policy_config=None, hints_of: Callable[[int], SchedulingHints] = mixed_hints) -> dict:
     """256 running and 10,000 waiting, requests finishing and admitted every step (each one
     replaced by a new arrival outside the timed calls): the admission order chooses every step.
     Under a policy other than fcfs every request has the policy cases' hints (mixed_hints), and
@@ -221,7 +231,7 @@ def measure_churn(num_running: int, num_waiting: int, steps: int,
 
     def new_request(arrival_time: Optional[float]) -> Request:
         i = next(counter)
-        hints = mixed_hints(i) if policy != "fcfs" else SchedulingHints()
+        hints = hints_of(i) if policy != "fcfs" else SchedulingHints()
         return churn_request(i, hints, i * 1e-3 if arrival_time is None else arrival_time)
 
     for _ in range(num_running + num_waiting):
@@ -245,6 +255,8 @@ def measure_churn(num_running: int, num_waiting: int, steps: int,
     run(450)  # through the first admissions into steady churn, and warm
     per_step_ms = run(steps) / steps * 1e3
     label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
+    if hints_of is all_deadline_hints:
+        label += ", a deadline on every request"
     return {"policy": f"{label}, churn (8 shared prefixes), {composition.admission_order} order",
             "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
             "cpu_ms_per_step": round(per_step_ms, 4),
@@ -279,7 +291,8 @@ def main() -> None:
                                  "partial-prefills-passing", "cache-aware", "priority-cache-aware", "churn-policy",
                                  "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped",
                                  "churn-cache-aware,sampling-grouped", "churn-sla",
-                                 "churn-sla-tenants", "churn-vtc"])
+                                 "churn-sla-tenants", "churn-vtc", "sla-drop-unmeetable",
+                                 "churn-sla-drop-unmeetable"])
     args = parser.parse_args()
     cases = {"fcfs": lambda: measure(256, 10_000, args.steps), "fcfs-1024": lambda: measure(1024, 0, args.steps // 2),
              "sla": lambda: measure(256, 10_000, args.steps, "sla"),
@@ -298,7 +311,12 @@ def main() -> None:
              "churn-sla": lambda: measure_churn(256, 10_000, args.steps, policy="sla"),
              "churn-sla-tenants": lambda: measure_churn(256, 10_000, args.steps, policy="sla",
                                                         policy_config=SLAConfig(tenant_fairness=True)),
-             "churn-vtc": lambda: measure_churn(256, 10_000, args.steps, policy="vtc")}
+             "churn-vtc": lambda: measure_churn(256, 10_000, args.steps, policy="vtc"),
+             "sla-drop-unmeetable": lambda: measure(256, 10_000, args.steps, "sla", SLAConfig(drop_unmeetable=True),
+                                                    hints_of=all_deadline_hints),
+             "churn-sla-drop-unmeetable": lambda: measure_churn(256, 10_000, args.steps, policy="sla",
+                                                                policy_config=SLAConfig(drop_unmeetable=True),
+                                                                hints_of=all_deadline_hints)}
     if args.cases:  # a subset: printed only, the docs stay as the last full run wrote them
         for name in args.cases:
             r = cases[name]()

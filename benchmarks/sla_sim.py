@@ -15,7 +15,11 @@ tenants with the light one's own load above half the capacity (x0.75, heavy x7.5
 backlogged) over a fixed arrival window, run in this process with a step observer
 (`TenantServiceLog`) that records each step's service per tenant and which tenants are
 backlogged, so that shares are measured while both are, and under vtc the counters' gap is
-checked against VTC's bound. Writes docs/benchmarks/sla_sim.json and prints markdown.
+checked against VTC's bound; (e) "unmeetable": 70% of the requests with a deadline (priority
+0), 30% without (priority 1), under sla
+with --sla-drop-expired against --sla-drop-unmeetable (and no shedding), run in this process
+with a step observer that counts the tokens computed for requests that end up shed. Writes
+docs/benchmarks/sla_sim.json and prints markdown.
 
     .venv/bin/python benchmarks/sla_sim.py [--loads 1.5 2 3] [--seeds 1 2 3] [--parts wrong-profile]
 """
@@ -67,7 +71,15 @@ WRONG_SHAPE, WRONG_LOAD = "tight: ttft 1 s, tpot 150 ms", 1.5
 # (d): light's rate x capacity (above 1/2: light alone asks for more than its fair half),
 # heavy's 10x that, arrivals over this many seconds (the count is rate x window).
 BACKLOGGED_LIGHT_LOAD, BACKLOGGED_RATIO, BACKLOGGED_WINDOW_S = 0.75, 10, 120.0
-PARTS = ("overload", "tenants", "wrong-profile", "backlogged")
+# (e): a deadline (ms) on 70% of the requests (priority 0), 30% without one (priority 1); the
+# shedding configurations compared (all sla), at these loads. Alone, a request takes about 1 to
+# 3.3 s (32 to 96 outputs); in a full batch of 32 about three times that.
+UNMEETABLE_DEADLINES_MS = (2000, 8000, 30000)
+UNMEETABLE_LOADS = (1.5, 3.0)
+SHEDDING = {"sla, no shedding": ["--scheduling-policy", "sla"],
+            "sla --sla-drop-expired": ["--scheduling-policy", "sla", "--sla-drop-expired"],
+            "sla --sla-drop-unmeetable": ["--scheduling-policy", "sla", "--sla-drop-unmeetable"]}
+PARTS = ("overload", "tenants", "wrong-profile", "backlogged", "unmeetable")
 # (d)'s policies: VTC alone, and as sla's fairness term (both tenants in one priority class).
 BACKLOGGED_POLICIES = {"fcfs": ["--scheduling-policy", "fcfs"], "vtc": ["--scheduling-policy", "vtc"],
                        "sla (tenant fairness)": ["--scheduling-policy", "sla", "--sla-tenant-fairness"]}
@@ -228,6 +240,53 @@ def simulate_backlogged(policy: str, seed: int, capacity: float, window_s: float
                                        result.records)}
 
 
+class ShedWork:
+    """The simulator's `on_step` observer: tokens each step schedules, per request, so that the
+    compute spent on requests that end up shed can be summed after the run."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, int] = {}
+
+    def __call__(self, out: SchedulerOutput, now: float) -> None:
+        tokens = self.tokens
+        for rid, n in out.num_scheduled_tokens.items():
+            tokens[rid] = tokens.get(rid, 0) + n
+
+
+def simulate_unmeetable(name: str, deadline_ms: int, load: float, seed: int, capacity: float) -> dict:
+    """(e) in this process: `name` a key of SHEDDING."""
+    rate = load * capacity
+    argv = ["simulate", *WORKLOAD, *SHEDDING[name], "--request-rate", f"{rate:.2f}", "--seed", str(seed),
+            "--slo-mix", f"deadline:0.7:priority=0:deadline={deadline_ms}", "open:0.3:priority=1"]
+    ns = build_parser().parse_args(argv)
+    args = engine_args_from(ns, SIM_SKIPPED_ENGINE_ARGS)
+    cost_model = load_cost_model(None)
+    bench.check_counts(ns)
+    workload = bench.build_workload(ns, bench.load_tokenizer(ns.tokenizer))
+    classes = bench.slo_classes_of(ns, len(workload.requests))
+    sim = Simulator.from_engine_args(args, cost_model, timeseries_points=1)
+    work = ShedWork()
+    sim.on_step = work
+    requests = sim_requests(workload, classes)
+    result = sim.run(requests)
+    report = class_report(result.records, classes, result.duration_s)
+    shed = {"expired": 0, "unmeetable": 0}
+    shed_tokens = 0
+    for sim_request, record in zip(requests, result.records):
+        if record.error.startswith("deadline exceeded"):
+            shed["expired"] += 1
+        elif record.error.startswith("deadline cannot be met"):
+            shed["unmeetable"] += 1
+        else:
+            continue
+        shed_tokens += work.tokens.get(sim_request.request_id, 0)
+    return {"config": name, "deadline_ms": deadline_ms, "load": load, "seed": seed, "request_rate": round(rate, 2),
+            "duration": result.duration_s, "completed": sum(r.success for r in result.records),
+            "num_preemptions": result.num_preemptions, "profile": profile_label(cost_model, None),
+            "shed": shed, "tokens_computed": sum(work.tokens.values()), "tokens_computed_for_shed": shed_tokens,
+            "classes": report}
+
+
 def scaled_profile(scale: float, directory: Path) -> Path:
     """The shipped profile with every predicted time x `scale` (coefficients x scale, swap
     bandwidth / scale), written into `directory`."""
@@ -284,8 +343,9 @@ def main() -> None:
     rerun_tenants = "tenants" in parts and set(ns.policies) == set(POLICIES)
     capacity = simulate(["--scheduling-policy", "fcfs", "--request-rate", "inf", "--seed", "1"])["request_throughput"]
     report: dict = {"simulated": True, "capacity_req_s": capacity, "overload": [], "tenants": [], "wrong_profile": [],
-                    "backlogged": []}
-    if rerun != set(POLICIES) or not rerun_tenants or "wrong-profile" not in parts or "backlogged" not in parts:
+                    "backlogged": [], "unmeetable": []}
+    if (rerun != set(POLICIES) or not rerun_tenants or "wrong-profile" not in parts or "backlogged" not in parts
+            or "unmeetable" not in parts):
         previous = json.loads((OUT / "sla_sim.json").read_text())
         report["overload"] = [r for r in previous["overload"] if r["policy"] not in rerun]
         if not rerun_tenants:
@@ -294,6 +354,8 @@ def main() -> None:
             report["wrong_profile"] = previous.get("wrong_profile", [])
         if "backlogged" not in parts:
             report["backlogged"] = previous.get("backlogged", [])
+        if "unmeetable" not in parts:
+            report["unmeetable"] = previous.get("unmeetable", [])
     for shape in ns.shapes:
         for load in ns.loads:
             rate = f"{load * capacity:.2f}"
@@ -324,6 +386,11 @@ def main() -> None:
     for seed in ns.seeds if "backlogged" in parts else ():
         for policy in BACKLOGGED_POLICIES:
             report["backlogged"].append(simulate_backlogged(policy, seed, capacity))
+    for deadline_ms in UNMEETABLE_DEADLINES_MS if "unmeetable" in parts else ():
+        for load in UNMEETABLE_LOADS:
+            for seed in ns.seeds:
+                for name in SHEDDING:
+                    report["unmeetable"].append(simulate_unmeetable(name, deadline_ms, load, seed, capacity))
     report["profile"] = report["overload"][0]["profile"]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "sla_sim.json").write_text(json.dumps(report, indent=2))
@@ -365,6 +432,28 @@ def main() -> None:
               f"| {w['seconds']:.0f} of {r['duration']:.0f} | {w['service_share']['light']:.1%} "
               f"| {w['output_share']['light']:.1%} | {w['max_step_charge']:.0f} | {gap} | {2 * r['step_bound_u']:.0f} "
               f"| {light['median_ttft_ms'] / 1e3:.1f} | {heavy['median_ttft_ms'] / 1e3:.1f} |")
+    print("\n70% of the requests with a deadline (priority 0), 30% without (priority 1), sla; mean over seeds "
+          "(min-max)\n")
+    print("| deadline | load | shedding | deadline met (of those with one) | deadline goodput (req/s) "
+          "| no-deadline goodput (req/s) | shed: expired / unmeetable | tokens computed for shed requests |")
+    print("|---|---|---|---|---|---|---|---|")
+    for deadline_ms in UNMEETABLE_DEADLINES_MS:
+        for load in UNMEETABLE_LOADS:
+            for name in SHEDDING:
+                runs = [r for r in report["unmeetable"]
+                        if r["config"] == name and r["deadline_ms"] == deadline_ms and r["load"] == load]
+                if not runs:
+                    continue
+                with_deadline = [r["classes"]["deadline"] for r in runs]
+                without = [r["classes"]["open"] for r in runs]
+                expired = sum(r["shed"]["expired"] for r in runs) / len(runs)
+                unmeetable = sum(r["shed"]["unmeetable"] for r in runs) / len(runs)
+                wasted = sum(r["tokens_computed_for_shed"] for r in runs) / sum(r["tokens_computed"] for r in runs)
+                print(f"| {deadline_ms / 1e3:g} s | x{load:g} | {name} "
+                      f"| {pct([c['deadline_attainment'] for c in with_deadline])} "
+                      f"| {sum(c['goodput'] for c in with_deadline) / len(runs):.3f} "
+                      f"| {sum(c['goodput'] for c in without) / len(runs):.3f} "
+                      f"| {expired:.0f} / {unmeetable:.0f} | {wasted:.1%} |")
     print(f"\nsla's SLO guard given a wrong profile: interactive {WRONG_SHAPE}, x{WRONG_LOAD:g} "
           "(the simulated machine: the shipped profile)\n")
     print("| guard profile | step-time correction | inter. SLO met | inter. TTFT met | inter. TPOT met "
