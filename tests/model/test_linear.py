@@ -4,14 +4,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenweir.model import linear as linear_module
 from tokenweir.model.linear import Linear, can_prepack
 
+# oneDNN packs bf16 only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT (linear.py).
+needs_packing = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and linear_module._onednn_packs_bf16()),
+    reason="oneDNN's bf16 linear path does not run on this CPU")
 
+
+@needs_packing
 @pytest.mark.parametrize("rows", [2, 7, 64, 300])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_prepacked_bf16_is_bit_identical(rows, with_bias):
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("oneDNN is not available in this torch build")
     torch.manual_seed(0)
     weight = torch.randn(96, 48, dtype=torch.bfloat16)
     bias = torch.randn(96, dtype=torch.bfloat16) if with_bias else None
@@ -19,6 +24,16 @@ def test_prepacked_bf16_is_bit_identical(rows, with_bias):
     assert linear.packed
     x = torch.randn(rows, 48, dtype=torch.bfloat16)
     assert torch.equal(linear(x), F.linear(x, weight, bias))
+
+
+def test_bf16_keeps_f_linear_where_onednn_cannot_pack_it(monkeypatch):
+    # On such a CPU the reorder raises: --dtype bfloat16 must still load and compute.
+    monkeypatch.setattr(linear_module, "_onednn_packs_bf16", lambda: False)
+    weight = torch.randn(8, 4, dtype=torch.bfloat16)
+    linear = Linear(weight)
+    assert not linear.packed
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    assert torch.equal(linear(x), F.linear(x, weight))
 
 
 def test_float32_is_not_prepacked():
@@ -30,9 +45,8 @@ def test_float32_is_not_prepacked():
     assert torch.equal(linear(x), F.linear(x, weight))
 
 
+@needs_packing
 def test_one_row_is_computed_like_a_row_of_a_batch():
-    if not torch.backends.mkldnn.is_available():
-        pytest.skip("oneDNN is not available in this torch build")
     # The default model's down projection: a shape where oneDNN's one-row kernel rounds some
     # outputs differently from its batched one (on small weights the two may agree anyway).
     torch.manual_seed(0)

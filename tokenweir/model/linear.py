@@ -10,12 +10,18 @@ A single row is multiplied as two: oneDNN takes another kernel for one row than 
 2 to 700 rows agree), so without this a request's logits, and so its seeded samples, would
 depend on whether it decodes alone or in a batch. It costs a lone decode step ~3-6%.
 
+oneDNN packs bf16 weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere
+(an AMD EPYC without AVX-512 here) its reorder raises, so bf16 keeps `F.linear` there, found
+once by packing a tiny weight: `--dtype bfloat16` then still loads, slower, and without the
+one-row batch invariance above.
+
 Float32 keeps `F.linear` (MKL's sgemm, the path transformers takes on the CPU) so that greedy
 fp32 output stays token-exact against transformers; CUDA keeps `F.linear` too (cuBLAS).
 """
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Optional
 
 import torch
@@ -28,7 +34,17 @@ _EXPECTED_ROWS = 64
 
 def can_prepack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available())
+            and torch.backends.mkldnn.is_available() and _onednn_packs_bf16())
+
+
+@cache
+def _onednn_packs_bf16() -> bool:
+    """Whether oneDNN's bf16 linear path runs on this CPU (see the module docstring)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(2, 2, dtype=torch.bfloat16), 2)
+    except RuntimeError:
+        return False
+    return True
 
 
 class Linear:
