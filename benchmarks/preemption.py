@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import time
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import torch
 from tokenweir import SamplingParams
 from tokenweir.config import EngineArgs
 from tokenweir.engine.core import EngineCore
+from tokenweir.machine import cpu_name
 from tokenweir.model.loader import load_model
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
@@ -155,7 +155,7 @@ def main() -> None:
                       f"TTFT p50 {r['ttft_p50']:.2f} s  TPOT p50 {1e3 * r['tpot_p50']:.0f} ms  "
                       f"preemptions {r['preemptions']}  recomputed {r['tokens_recomputed']}  "
                       f"copied {r['bytes_copied'] / 2**20:.0f} MiB", flush=True)
-    machine = {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+    machine = {"cpu": cpu_name(), "threads": torch.get_num_threads(),
                "torch": torch.__version__, "dtype": str(loaded.dtype).removeprefix("torch.")}
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(

@@ -32,6 +32,7 @@ from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.composition import CompositionConfig
 from tokenweir.core.policies import SLAConfig
 from tokenweir.core.scheduler import Scheduler
+from tokenweir.machine import cpu_name
 from tokenweir.request import Request, SamplingParams, SchedulingHints
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
@@ -334,7 +335,7 @@ def main() -> None:
         results.append({**runs[0], "cpu_ms_per_step": round(median, 4), "cpu_ms_per_step_rounds": times,
                         "us_per_running_request": round(median * 1e3 / n, 3)})
     hashing = measure_hashing()
-    machine = f"{platform.processor() or platform.machine()}, {platform.python_implementation()} {platform.python_version()}"
+    machine = f"{cpu_name()}, {platform.python_implementation()} {platform.python_version()}"
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "scheduler.json").write_text(json.dumps({"machine": machine, "results": results, "hashing": hashing}, indent=2))
     lines = ["# Scheduler overhead", "",

@@ -45,6 +45,7 @@ VOCAB_LOW, VOCAB_HIGH = 100, 40_000  # plain tokens of the default model's vocab
 _OFFLINE_WORKER = r"""
 import json, random, statistics, sys, time
 from tokenweir.engine.llm import LLM
+from tokenweir.machine import cpu_name
 from tokenweir.request import SamplingParams
 input_len, output_len = int(sys.argv[1]), int(sys.argv[2])
 core = LLM(disable_log_stats=True).engine
@@ -233,7 +234,7 @@ def main() -> None:
                 v.proc.wait(30)
     off = median(offline_s)
     result = {
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+        "machine": {"cpus": os.cpu_count(), "processor": cpu_name(),
                     "python": platform.python_version()},
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

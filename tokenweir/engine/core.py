@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
-import platform
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -24,6 +23,7 @@ from tokenweir.core.cost_model import StepCostModel, load_cost_model
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tokenweir.engine.cpu_allocator import keep_freed_memory
 from tokenweir.engine.output import OutputProcessor, OutputState, RequestOutput
+from tokenweir.machine import cpu_name
 from tokenweir.model.arch import kv_cache_bytes_per_block
 from tokenweir.model.loader import LoadedModel, load_model
 from tokenweir.model.runner import ModelRunner
@@ -107,7 +107,7 @@ class EngineCore:
             "dtype": str(self.loaded.dtype).removeprefix("torch."),
             "device": str(device),
             "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
-                            else platform.processor() or platform.machine()),
+                            else cpu_name()),
             "torch_threads": torch.get_num_threads(),
             "max_model_len": self.loaded.arch.max_model_len,
             "block_size": self.cache_config.block_size,
