@@ -39,8 +39,9 @@ from pathlib import Path
 from typing import Optional
 
 from tokenweir.bench import serve as bench
+from tokenweir.bench.serve import Workload
 from tokenweir.bench.serve_metrics import RequestRecord
-from tokenweir.bench.slo_mix import class_report
+from tokenweir.bench.slo_mix import SLOClass, class_report
 from tokenweir.cli import SIM_SKIPPED_ENGINE_ARGS, build_parser, engine_args_from
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
 from tokenweir.core.policies.fair_share import VirtualTokenCounters, VTCConfig
@@ -209,6 +210,18 @@ def client_view(arrivals: Sequence[float], tenants: Sequence[Optional[str]], rec
             "output_share": {t: v / (sum(outputs.values()) or 1.0) for t, v in outputs.items()}}
 
 
+def simulation(argv: list[str]) -> tuple[Workload, list[SLOClass], Simulator, StepCostModel]:
+    """A `tokenweir simulate` command line built as the CLI builds it, not yet run: its workload,
+    each request's --slo-mix class, the simulator (the shipped CPU profile) and its cost model."""
+    ns = build_parser().parse_args(argv)
+    args = engine_args_from(ns, SIM_SKIPPED_ENGINE_ARGS)
+    cost_model = load_cost_model(None)
+    bench.check_counts(ns)
+    workload = bench.build_workload(ns, bench.load_tokenizer(ns.tokenizer))
+    classes = bench.slo_classes_of(ns, len(workload.requests))
+    return workload, classes, Simulator.from_engine_args(args, cost_model, timeseries_points=1), cost_model
+
+
 def simulate_backlogged(policy: str, seed: int, capacity: float, window_s: float = BACKLOGGED_WINDOW_S) -> dict:
     """(d) in this process, with a TenantServiceLog on the simulator; `policy` a name of
     BACKLOGGED_POLICIES."""
@@ -218,13 +231,7 @@ def simulate_backlogged(policy: str, seed: int, capacity: float, window_s: float
     argv = ["simulate", *WORKLOAD, "--num-prompts", str(num), *BACKLOGGED_POLICIES[policy],
             "--request-rate", f"{rate:.2f}", "--seed", str(seed),
             "--slo-mix", f"heavy:{BACKLOGGED_RATIO}:tenant=heavy", "light:1:tenant=light"]
-    ns = build_parser().parse_args(argv)  # the later --num-prompts wins, as on the command line
-    args = engine_args_from(ns, SIM_SKIPPED_ENGINE_ARGS)
-    cost_model = load_cost_model(None)
-    bench.check_counts(ns)
-    workload = bench.build_workload(ns, bench.load_tokenizer(ns.tokenizer))
-    classes = bench.slo_classes_of(ns, len(workload.requests))
-    sim = Simulator.from_engine_args(args, cost_model, timeseries_points=1)
+    workload, classes, sim, cost_model = simulation(argv)  # the later --num-prompts wins, as on the command line
     log = TenantServiceLog(sim.scheduler)
     sim.on_step = log
     result = sim.run(sim_requests(workload, classes))
@@ -258,13 +265,7 @@ def simulate_unmeetable(name: str, deadline_ms: int, load: float, seed: int, cap
     rate = load * capacity
     argv = ["simulate", *WORKLOAD, *SHEDDING[name], "--request-rate", f"{rate:.2f}", "--seed", str(seed),
             "--slo-mix", f"deadline:0.7:priority=0:deadline={deadline_ms}", "open:0.3:priority=1"]
-    ns = build_parser().parse_args(argv)
-    args = engine_args_from(ns, SIM_SKIPPED_ENGINE_ARGS)
-    cost_model = load_cost_model(None)
-    bench.check_counts(ns)
-    workload = bench.build_workload(ns, bench.load_tokenizer(ns.tokenizer))
-    classes = bench.slo_classes_of(ns, len(workload.requests))
-    sim = Simulator.from_engine_args(args, cost_model, timeseries_points=1)
+    workload, classes, sim, cost_model = simulation(argv)
     work = ShedWork()
     sim.on_step = work
     requests = sim_requests(workload, classes)
