@@ -64,9 +64,9 @@ def test_hand_computed_bounds_shed_at_once_and_keep_what_fits(tmp_path):
         s.add_request(r)
     out, now = _step(s, runner, 0.0)
     assert out_of_reach.status == RequestStatus.FINISHED_ABORTED and out_of_reach.finished_time == 0.0
-    assert out_of_reach.status_message.startswith("deadline cannot be met: needs at least 102 ms, 100 ms left "
+    assert out_of_reach.status_message.startswith("deadline cannot be met: needs at least 101.6 ms, 100.0 ms left "
                                                   "of its 100 ms deadline (estimated: 0.8 x the step cost "
-                                                  "model's 127 ms for its 40 tokens left to compute")
+                                                  "model's 127.0 ms for its 40 tokens left to compute")
     assert "out" in out.finished_req_ids and out.num_scheduled_tokens == {"inside": 40}
     assert s.policy.get_stats()["deadline_shed"] == {"expired": 0, "unmeetable": 1}
     # Inside the margin, it is served until its bound no longer fits: after its 50 ms prefill
@@ -74,7 +74,7 @@ def test_hand_computed_bounds_shed_at_once_and_keep_what_fits(tmp_path):
     assert inside.num_output_tokens == 1 and now == pytest.approx(0.05)
     _step(s, runner, now)
     assert inside.is_finished and inside.status_message.startswith(
-        "deadline cannot be met: needs at least 62 ms, 54 ms left")
+        "deadline cannot be met: needs at least 61.6 ms, 54.0 ms left")
     assert_no_leaks(s)
 
     # One that fits alone is served to its end, its greedy tokens those of a run alone.
@@ -139,11 +139,31 @@ def test_a_request_preempted_with_its_outputs_to_recompute_is_shed_at_the_next_s
     out, now = _step(s, runner, now)
     assert "r" in out.finished_req_ids and r.status == RequestStatus.FINISHED_ABORTED
     assert r.finished_time == pytest.approx(0.497) and r.num_output_tokens == 40
-    assert r.status_message.startswith("deadline cannot be met: needs at least 46 ms, 30 ms left of its 527 ms "
-                                       "deadline (estimated: 0.8 x the step cost model's 58 ms for its 48 tokens")
+    # Put back twice in the step that preempted it (as the victim, then passed over): shed once.
+    assert s.policy.get_stats()["deadline_shed"] == {"expired": 0, "unmeetable": 1}
+    assert r.status_message.startswith("deadline cannot be met: needs at least 46.4 ms, 30.0 ms left of its 527 ms "
+                                       "deadline (estimated: 0.8 x the step cost model's 58.0 ms for its 48 tokens")
     while s.has_unfinished_requests():
         _, now = _step(s, runner, now)
     assert h.status == RequestStatus.FINISHED_LENGTH
+    assert_no_leaks(s)
+
+
+@pytest.mark.parametrize("mode", ["drop_unmeetable", "drop_expired"])
+def test_the_policy_keeps_nothing_of_requests_with_deadlines_that_finished(tmp_path, mode):
+    # Each request's entry goes once its key passes: state grows with the live ones, not with
+    # every request ever served.
+    policy = (_policy(tmp_path) if mode == "drop_unmeetable" else SLAPolicy(SLAConfig(drop_expired=True)))
+    s = create_scheduler(policy=policy, max_num_batched_tokens=64, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    now = 0.0
+    for i in range(300):
+        s.add_request(_req(f"q{i}", _tokens(8, 7 * i % 900 + 1), deadline=2.0, arrival=now, max_tokens=2,
+                           ignore_eos=True))
+        while s.has_unfinished_requests():
+            _, now = _step(s, runner, now)
+        now += 1.0  # one request a second: every earlier one's deadline has passed
+    assert len(policy._deadline_seqs) <= 3 and len(policy._deadlines) <= 3
     assert_no_leaks(s)
 
 
@@ -164,7 +184,7 @@ def test_nothing_is_judged_before_a_step_was_measured_when_the_profile_is_correc
     s.add_request(b)
     out = s.schedule(now=0.18)
     assert a.status_message.startswith("deadline exceeded: the request's deadline of 45 ms passed 135 ms ago")
-    assert b.status_message.startswith("deadline cannot be met: needs at least 94 ms, 90 ms left")
+    assert b.status_message.startswith("deadline cannot be met: needs at least 94.2 ms, 90.0 ms left")
     s.update_from_output(out, runner.execute(out), now=0.18)
     assert s.policy.get_stats()["deadline_shed"] == {"expired": 1, "unmeetable": 1}
     assert_no_leaks(s)

@@ -438,7 +438,7 @@ def test_a_request_that_cannot_meet_its_deadline_is_shed_at_once_and_says_why(ma
     params = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.0)
     shed, kept = llm.generate(["one two three", "four five"], params, deadline=[2.0, 100.0], use_tqdm=False)
     assert shed.outputs[0].finish_reason == "abort" and shed.outputs[0].token_ids == []
-    assert shed.status_message.startswith("deadline cannot be met: needs at least 8000 ms, ")
+    assert shed.status_message.startswith("deadline cannot be met: needs at least 8000.0 ms, ")
     # The one that fits is served as it would be without a deadline (greedy, token for token).
     alone = llm.generate("four five", params, use_tqdm=False)[0]
     assert kept.status_message is None and kept.outputs[0].token_ids == alone.outputs[0].token_ids

@@ -213,7 +213,7 @@ def test_the_official_client_reads_why_a_deadline_cannot_be_met(tiny_model_dir, 
                                       extra_body={"ignore_eos": True, "deadline_ms": 2000})
         assert info.value.status_code == 504 and info.value.code == "deadline_exceeded"
         assert info.value.body["type"] == "timeout_error"
-        assert info.value.body["message"].startswith("deadline cannot be met: needs at least 8000 ms, ")
+        assert info.value.body["message"].startswith("deadline cannot be met: needs at least 8000.0 ms, ")
         assert info.value.response.headers["x-should-retry"] == "false"
         aborted = "tokenweir:request_success_total"
         assert value(scrape(server.url), aborted, finished_reason="abort") - value(before, aborted, finished_reason="abort") == 1

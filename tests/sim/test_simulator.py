@@ -194,7 +194,7 @@ def test_requests_that_cannot_meet_their_deadline_are_shed_at_once(tmp_path) -> 
     assert not expired_only.records[0].success and late.success and late.latency == pytest.approx(3.0)
     sim = make_sim(model, sla_drop_unmeetable=True, sla_step_time_correction=False, **common)
     hopeless, feasible = sim.run(requests).records
-    assert hopeless.error.startswith("deadline cannot be met: needs at least 1600 ms, 1000 ms left") and hopeless.output_tokens == 0
+    assert hopeless.error.startswith("deadline cannot be met: needs at least 1600.0 ms, 1000.0 ms left") and hopeless.output_tokens == 0
     assert feasible.success and feasible.latency == pytest.approx(2.0)
     assert sim.scheduler.policy.get_stats()["deadline_shed"] == {"expired": 0, "unmeetable": 1}
     assert_no_leaks(sim.scheduler)

@@ -455,9 +455,11 @@ class SLAPolicy(SchedulingPolicy):
         ratio = self._unmeetable_ratio()
         if self._unlooked:
             unlooked, self._unlooked = self._unlooked, []
+            looked: set[int] = set()  # a victim put back twice in one step (preempted, then passed over)
             for request in unlooked:
-                if request.is_finished:
+                if request.is_finished or id(request) in looked:
                     continue
+                looked.add(id(request))
                 if ratio is None and request.deadline > now:
                     self._unlooked.append(request)  # no step measured yet: looked at next step
                 else:
@@ -467,7 +469,11 @@ class SLAPolicy(SchedulingPolicy):
         while heap and heap[0][0] <= now:
             _, seq, request = heapq.heappop(heap)
             entry = seqs.get(request.request_id)
-            if not request.is_finished and entry is not None and entry[0] == seq:
+            if entry is None or entry[0] != seq:
+                continue  # superseded by a later look
+            if request.is_finished:
+                del seqs[request.request_id]  # its live entry gone: nothing of it is kept
+            else:
                 due.append(request)
         for request in due:  # after the pops: a fresh key is never <= now, but floats round
             self._look(request, now, ratio, least_work, shed)
@@ -518,13 +524,15 @@ class SLAPolicy(SchedulingPolicy):
         need = self.config.unmeetable_margin * predicted
         if need > left:
             self.num_shed["unmeetable"] += 1
-            shed.append((request, f"deadline cannot be met: needs at least {need * 1000:.0f} ms, "
-                                  f"{left * 1000:.0f} ms left of its {request.hints.deadline * 1000:.0f} ms "
+            more = work.num_samples - 1
+            decodes = f" and {more} more token{'s' if more > 1 else ''}, a decode step each" if more else ""
+            # One decimal, so that a need just over the time left does not print as a tie.
+            shed.append((request, f"deadline cannot be met: needs at least {need * 1000:.1f} ms, "
+                                  f"{left * 1000:.1f} ms left of its {request.hints.deadline * 1000:.0f} ms "
                                   f"deadline (estimated: {self.config.unmeetable_margin:g} x the step cost "
-                                  f"model's {predicted * 1000:.0f} ms for its "
+                                  f"model's {predicted * 1000:.1f} ms for its "
                                   f"{work.num_tokens - work.num_computed_tokens} tokens left to compute in "
-                                  f"one step and {work.num_samples - 1} more tokens, a decode step each, "
-                                  f"served alone)"))
+                                  f"one step{decodes}, served alone)"))
             return
         self._push_deadline(request, deadline - need)
 
