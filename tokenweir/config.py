@@ -16,6 +16,8 @@ from tokenweir.core.composition import ADMISSION_ORDERS, CompositionConfig
 from tokenweir.core.batch_controllers import SLOBatchConfig, check_batch_control
 from tokenweir.core.batch_slo import DEFAULT_MIN_NUM_BATCHED_TOKENS
 from tokenweir.core.policies import POLICIES, PolicyConfig, SLAConfig, VTCConfig, parse_tenant_weights
+from tokenweir.core.policies.sla_score import UNMEETABLE_MARGIN
+from tokenweir.core.step_timing import LOW_RATIO_MIN_STEPS
 
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (core/preemption.py)
 
@@ -210,10 +212,12 @@ def _slo_batch_field(name: str, help_text: str) -> object:
     return field(default=None, metadata={"help": f"slo: {help_text} (default {getattr(_SLO_BATCH, name)})"})
 
 
-def _sla_field(name: str, help_text: str) -> object:
-    """An engine arg `sla_<name>` with SLAConfig's default (one place for each default)."""
+def _sla_field(name: str, help_text: str, shown_default: object = None) -> object:
+    """An engine arg `sla_<name>` with SLAConfig's default (one place for each default); the
+    help shows `shown_default` where that default is None for "not given"."""
     default = getattr(_SLA, name)
-    return field(default=default, metadata={"help": f"{help_text} (default {default})"})
+    shown = default if shown_default is None else shown_default
+    return field(default=default, metadata={"help": f"{help_text} (default {shown})"})
 
 
 @dataclass
@@ -282,10 +286,13 @@ class EngineArgs:
                            "(remaining prefill in one step, then a decode step per token it must still sample: "
                            "min_tokens, or max_tokens with ignore_eos and no stops), sla_unmeetable_margin x "
                            "that time exceeds the time left (504 deadline_exceeded). An estimate of a fitted "
-                           "model, not a proof; sheds expired requests too")
-    sla_unmeetable_margin: float = _sla_field(
+                           "model, not a proof; sheds expired requests too. With sla_step_time_correction "
+                           f"nothing is judged before {LOW_RATIO_MIN_STEPS} steps were measured (a fresh engine's "
+                           "first steps may be a slow warm-up): until then only passed deadlines are shed")
+    sla_unmeetable_margin: Optional[float] = _sla_field(
         "unmeetable_margin", "sla: in (0, 1), the share of the cost model's lower bound that must still not fit "
-                             "before --sla-drop-unmeetable sheds a request (its slack for the model's error)")
+                             "before --sla-drop-unmeetable sheds a request (its slack for the model's error); "
+                             "refused without it", shown_default=UNMEETABLE_MARGIN)
     sla_protect_slos: bool = _sla_field(
         "protect_slos", "sla: keep a less important prefill out of a step that would make a more important "
                         "running request miss its TTFT or TPOT SLO (step times from sla_cost_profile)")

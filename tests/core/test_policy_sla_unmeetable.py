@@ -16,10 +16,16 @@ from tokenweir.config import EngineArgs
 from tokenweir.core.cost_model import FEATURES, RemainingWork, StepCostModel, step_composition
 from tokenweir.core.policies import SLAConfig, SLAPolicy
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
+from tokenweir.core.step_timing import CORRECTION_GAIN, LOW_RATIO_MIN_STEPS
 from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
 
 # Hand-computable: a step costs 10 ms plus 1 ms per token it computes (nothing else counts).
 COST = StepCostModel({**dict.fromkeys(FEATURES, 0.0), "step": 0.010, "tokens": 0.001}, swap_bytes_per_second=1e9)
+
+
+def _scaled(factor: float) -> StepCostModel:
+    """COST on a machine `factor` times as slow (its steps take `factor` x COST's time)."""
+    return StepCostModel({k: v * factor for k, v in COST.coefficients.items()}, swap_bytes_per_second=1e9)
 
 
 def _profile(tmp_path: Path, model: StepCostModel = COST) -> str:
@@ -149,11 +155,14 @@ def test_a_request_preempted_with_its_outputs_to_recompute_is_shed_at_the_next_s
     assert_no_leaks(s)
 
 
-@pytest.mark.parametrize("mode", ["drop_unmeetable", "drop_expired"])
+@pytest.mark.parametrize("mode", ["drop_unmeetable", "drop_unmeetable_corrected", "drop_expired"])
 def test_the_policy_keeps_nothing_of_requests_with_deadlines_that_finished(tmp_path, mode):
     # Each request's entry goes once its key passes: state grows with the live ones, not with
-    # every request ever served.
-    policy = (_policy(tmp_path) if mode == "drop_unmeetable" else SLAPolicy(SLAConfig(drop_expired=True)))
+    # every request ever served. Corrected, the first 8 steps judge nobody (the arrivals wait,
+    # keyed by their deadlines): what they left goes too.
+    policy = (_policy(tmp_path) if mode == "drop_unmeetable"
+              else _policy(tmp_path, step_time_correction=True) if mode == "drop_unmeetable_corrected"
+              else SLAPolicy(SLAConfig(drop_expired=True)))
     s = create_scheduler(policy=policy, max_num_batched_tokens=64, num_blocks=64)
     runner = PagedFakeRunner(s.block_size)
     now = 0.0
@@ -163,50 +172,113 @@ def test_the_policy_keeps_nothing_of_requests_with_deadlines_that_finished(tmp_p
         while s.has_unfinished_requests():
             _, now = _step(s, runner, now)
         now += 1.0  # one request a second: every earlier one's deadline has passed
-    assert len(policy._deadline_seqs) <= 3 and len(policy._deadlines) <= 3
+    assert len(policy._deadline_seqs) <= 3 and len(policy._deadlines) <= 3 and not policy._unlooked
     assert_no_leaks(s)
 
 
-def test_nothing_is_judged_before_a_step_was_measured_when_the_profile_is_corrected(tmp_path):
-    # With the correction on, the profile may be of another machine: a measured step comes
-    # before any verdict. Here steps take 10x the profile's time.
+def test_nothing_is_judged_before_8_steps_were_measured_when_the_profile_is_corrected(tmp_path):
+    # With the correction on, the profile may be of another machine: LOW_RATIO_MIN_STEPS (8)
+    # measured steps come before any verdict. Here steps take 10x the profile's time.
+    slow = _scaled(10.0)
     s = create_scheduler(policy=_policy(tmp_path, step_time_correction=True), max_num_batched_tokens=64)
     runner = PagedFakeRunner(s.block_size)
-    # Alone by the profile: 18 + 4 x 11 ms; 0.8 x 62 = 49.6 ms > 45 ms, but not judged yet.
+    # Alone by the profile: 18 + 4 x 11 ms; 0.8 x 62 = 49.6 ms > 45 ms, but not judged yet: it is
+    # shed only once its deadline has passed, at the next step (the first, two prefills, took 260 ms).
     a = _req("a", _tokens(8, 1000), deadline=0.045, max_tokens=5, ignore_eos=True)
-    s.add_request(a)
-    out = s.schedule(now=0.0)
-    assert out.num_scheduled_tokens == {"a": 8}
-    s.update_from_output(out, runner.execute(out), now=0.18)  # 10x the 18 ms predicted
-    # The running ratio moved to 1 + 0.1 x (10 - 1) = 1.9 (the lower of it and the step's 10):
-    # 0.8 x 1.9 x 62 ms = 94 ms > 90 ms.
-    b = _req("b", _tokens(8, 2000), deadline=0.09, arrival=0.18, max_tokens=5, ignore_eos=True)
+    keep = _req("keep", _tokens(8, 3000), deadline=None, max_tokens=60, ignore_eos=True)  # steps to measure
+    for r in (a, keep):
+        s.add_request(r)
+    out, now = _step(s, runner, 0.0, slow)
+    assert out.num_scheduled_tokens == {"a": 8, "keep": 8} and now == pytest.approx(0.26)
+    _, now = _step(s, runner, now, slow)
+    assert a.status_message.startswith("deadline exceeded: the request's deadline of 45 ms passed 215 ms ago")
+    for _ in range(LOW_RATIO_MIN_STEPS - 3):  # 7 steps measured
+        _, now = _step(s, runner, now, slow)
+    assert s.policy.timing.low_ratio is None
+    # b arrives with one step to go, and is not judged: its prefill step takes 190 ms; then with
+    # 4 tokens to go, alone 4 x 11 ms, 0.8 x 6.13 x 44 = 216 ms > the 190 ms left: shed at the
+    # first step judged.
+    b = _req("b", _tokens(8, 2000), deadline=0.38, arrival=now, max_tokens=5, ignore_eos=True)
     s.add_request(b)
-    out = s.schedule(now=0.18)
-    assert a.status_message.startswith("deadline exceeded: the request's deadline of 45 ms passed 135 ms ago")
-    assert b.status_message.startswith("deadline cannot be met: needs at least 94.2 ms, 90.0 ms left")
-    s.update_from_output(out, runner.execute(out), now=0.18)
+    out, now = _step(s, runner, now, slow)
+    assert out.num_scheduled_tokens["b"] == 8 and not b.is_finished
+    # The running ratio moved from 1 towards 10 by a tenth of the gap a step, 8 steps: the lower
+    # of it and the steps' own 10.
+    ratio = 10 - 9 * (1 - CORRECTION_GAIN) ** LOW_RATIO_MIN_STEPS
+    assert s.policy.timing.low_ratio == pytest.approx(ratio) and ratio == pytest.approx(6.126, abs=0.001)
+    out = s.schedule(now=now)
+    assert "b" in out.finished_req_ids and b.finished_time == now
+    assert b.status_message.startswith(f"deadline cannot be met: needs at least {0.8 * ratio * 44:.1f} ms, "
+                                       f"{(0.38 - (now - b.arrival_time)) * 1000:.1f} ms left")
+    now += slow.predict(step_composition(out, s.requests, s.cache_config.kv_block_bytes))
+    s.update_from_output(out, runner.execute(out), now=now)
     assert s.policy.get_stats()["deadline_shed"] == {"expired": 1, "unmeetable": 1}
+    while s.has_unfinished_requests():
+        _, now = _step(s, runner, now, slow)
     assert_no_leaks(s)
 
 
 def test_a_machine_faster_than_its_profile_is_judged_by_its_fastest_recent_steps(tmp_path):
-    # Steps take a tenth of the profile's time. After one step the running ratio is still
-    # 1 + 0.1 x (0.1 - 1) = 0.91; the step's own 0.1 is the one the bound takes.
-    fast = StepCostModel({**dict.fromkeys(FEATURES, 0.0), "step": 0.001, "tokens": 0.0001}, swap_bytes_per_second=1e9)
+    # Steps take a tenth of the profile's time. After the 8 steps before a verdict the running
+    # ratio is still 0.1 + 0.9 x 0.9^8 = 0.487; the steps' own 0.1 is the one the bound takes.
+    fast = _scaled(0.1)
     s = create_scheduler(policy=_policy(tmp_path, step_time_correction=True), max_num_batched_tokens=128,
                          num_blocks=128)
     runner = PagedFakeRunner(s.block_size)
-    s.add_request(_req("first", _tokens(8, 1000), deadline=None, max_tokens=1))
-    _, now = _step(s, runner, 0.0, fast)
-    assert s.policy.timing.ratio == pytest.approx(0.91) and s.policy.timing.low_ratio == pytest.approx(0.1)
-    # 127 ms by the profile: 0.8 x 0.91 x 127 = 92 ms would not fit in 50 ms; 0.8 x 0.1 x 127 does,
-    # and on this machine it takes 12.7 ms.
-    c = _req("c", _tokens(40, 2000), deadline=0.05, arrival=now, max_tokens=8, ignore_eos=True, temperature=0.0)
+    s.add_request(_req("first", _tokens(8, 1000), deadline=None, max_tokens=LOW_RATIO_MIN_STEPS, ignore_eos=True))
+    now = 0.0
+    while s.has_unfinished_requests():
+        _, now = _step(s, runner, now, fast)
+    assert s.policy.timing.ratio == pytest.approx(0.1 + 0.9 * 0.9 ** 8)
+    assert s.policy.timing.low_ratio == pytest.approx(0.1)
+    # 127 ms by the profile: 0.8 x 0.487 x 127 = 49.5 ms would not fit in 45 ms; 0.8 x 0.1 x 127
+    # does, and on this machine it takes 12.7 ms.
+    c = _req("c", _tokens(40, 2000), deadline=0.045, arrival=now, max_tokens=8, ignore_eos=True, temperature=0.0)
     s.add_request(c)
     while s.has_unfinished_requests():
         _, now = _step(s, runner, now, fast)
     assert c.status == RequestStatus.FINISHED_LENGTH and c.finished_time - c.arrival_time == pytest.approx(0.0127)
+    assert_no_leaks(s)
+
+
+def test_slow_first_steps_do_not_get_a_request_that_can_finish_shed(tmp_path):
+    # A machine 10x faster than its profile, whose first 3 steps are a warm-up 12x slower than
+    # the rest (1.2x the profile). Judged by them (the running ratio 1.054 after them), a request
+    # of 127 ms by the profile would need 0.8 x 1.054 x 127 = 107 ms; it takes 17.6 ms here (in
+    # steps with two other requests).
+    warm, fast = _scaled(1.2), _scaled(0.1)
+    s = create_scheduler(policy=_policy(tmp_path, step_time_correction=True), max_num_batched_tokens=128,
+                         num_blocks=128)
+    runner = PagedFakeRunner(s.block_size)
+    params = dict(max_tokens=8, ignore_eos=True, temperature=0.0)
+    s.add_request(_req("keep", _tokens(8, 1000), deadline=None, max_tokens=60, ignore_eos=True))
+    now = 0.0
+    for _ in range(3):
+        _, now = _step(s, runner, now, warm)
+    c = _req("c", _tokens(40, 2000), deadline=0.05, arrival=now, **params)
+    # One that cannot make it (alone it takes 12.7 ms) is shed once its deadline has passed.
+    h = _req("h", _tokens(40, 3000), deadline=0.01, arrival=now, **params)
+    for r in (c, h):
+        s.add_request(r)
+    while not c.is_finished:
+        _, now = _step(s, runner, now, fast)
+    assert c.status == RequestStatus.FINISHED_LENGTH and c.finished_time - c.arrival_time == pytest.approx(0.0176)
+    assert c.output_token_ids == reference_stream(c.prompt_token_ids, 8)
+    assert h.status_message.startswith("deadline exceeded: the request's deadline of 10 ms passed")
+    # Once 8 steps are measured the fast ones are trusted (the first verdict on c came while it
+    # ran, 3 decodes to go: 0.8 x 0.1 x 33 ms fit easily): one that cannot make it
+    # (alone 12.7 ms, 10 ms left) is shed at once: 0.8 x 0.1 x 127 = 10.16 ms > 10 ms.
+    while s.policy.timing.low_ratio is None:
+        _, now = _step(s, runner, now, fast)
+    assert s.policy.timing.low_ratio == pytest.approx(0.1)
+    d = _req("d", _tokens(40, 4000), deadline=0.01, arrival=now, **params)
+    s.add_request(d)
+    out, now = _step(s, runner, now, fast)
+    assert "d" in out.finished_req_ids and d.finished_time == d.arrival_time
+    assert d.status_message.startswith("deadline cannot be met: needs at least 10.2 ms, 10.0 ms left")
+    assert s.policy.get_stats()["deadline_shed"] == {"expired": 1, "unmeetable": 1}
+    while s.has_unfinished_requests():
+        _, now = _step(s, runner, now, fast)
     assert_no_leaks(s)
 
 
@@ -217,6 +289,9 @@ def test_a_machine_faster_than_its_profile_is_judged_by_its_fastest_recent_steps
     (dict(scheduling_policy="sla", sla_drop_unmeetable=True, sla_unmeetable_margin=1.0),
      r"sla unmeetable_margin must be in \(0, 1\)"),
     (dict(scheduling_policy="sla", sla_unmeetable_margin=0.5), r"sla unmeetable_margin \(0.5\) applies only with drop_unmeetable"),
+    # The default's value too: given, it is a margin without the flag.
+    (dict(scheduling_policy="sla", sla_unmeetable_margin=0.8), r"sla unmeetable_margin \(0.8\) applies only with drop_unmeetable"),
+    (dict(scheduling_policy="fcfs", sla_unmeetable_margin=0.8), "sla_unmeetable_margin only apply to scheduling_policy 'sla'"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -31,6 +31,17 @@ CORRECTION_GAIN = 0.1
 MAX_STEP_FACTOR = 10.0
 # `low_ratio` is the smallest ratio of this many recent steps (and the running one).
 LOW_RATIO_STEPS = 32
+# ... and None until this many steps were measured. A bound that sheds on it must not trust a
+# fresh engine's first steps alone: they may be a warm-up (first forward passes of each kernel
+# path, the allocator growing) many times slower than the rest, and judged by them a request
+# that could finish is shed (a review's case: 12.7 ms needed, judged 122 ms). The minimum takes
+# the first step that is not: the warm-up must last all of the first 8 steps to mislead it. On
+# an AMD EPYC CPU (fp32, SmolLM2-135M) none lasted past the first step (a GPU's not measured).
+# Waiting costs those steps without unmeetable verdicts (passed deadlines are still shed), once
+# per engine: 8 is a few times any warm-up seen, and 32 (the window) costs 4x the time: in
+# docs/benchmarks/sla.md (e)'s simulation at x3 (shipped CPU profile, steps of prompt chunks
+# taking 1.5 s) the first verdicts came after 9 s of its run, after 46 s with 32.
+LOW_RATIO_MIN_STEPS = 8
 
 
 class StepTimeCorrection:
@@ -50,11 +61,12 @@ class StepTimeCorrection:
     @property
     def low_ratio(self) -> Optional[float]:
         """The smallest of the running ratio and the last LOW_RATIO_STEPS steps' own ratios; None
-        before a step was measured. For a bound that must not overstate step times (sla's
-        unmeetable deadlines): the running ratio leaves a profile of a slower machine at a
-        fraction of its excess per step (0.91x at most), one step's own ratio tells it at once,
-        and a step shape the profile overweights shows here as a low ratio."""
-        if not self._recent:
+        until LOW_RATIO_MIN_STEPS steps were measured (a warm-up must not be all it has seen: see
+        there). For a bound that must not overstate step times (sla's unmeetable deadlines): the
+        running ratio leaves a profile of a slower machine at a fraction of its excess per step
+        (0.91x at most), one step's own ratio tells it at once, and a step shape the profile
+        overweights shows here as a low ratio."""
+        if len(self._recent) < LOW_RATIO_MIN_STEPS:
             return None
         return min(self.ratio, min(self._recent))
 

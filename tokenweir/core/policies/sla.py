@@ -22,19 +22,22 @@ served alone from now: margin x ratio x `StepCostModel.least_service_seconds` of
 `least_remaining_work` (its remaining prefill after its prefix-cache hit in one step, then one
 decode step alone per token it must still sample: min_tokens, or max_tokens when nothing can
 stop it earlier) exceeds the time left. `ratio` is the step-time correction's low ratio (the
-smallest measured / predicted of the recent steps, so a profile of a slower machine does not
-make requests look hopeless; before a step is measured nothing is judged unmeetable), margin
+smallest measured / predicted of the last 32 steps, so a profile of a slower machine does not
+make requests look hopeless; before 8 steps are measured nothing is judged unmeetable, since
+a fresh engine's first steps may be a slow warm-up: step_timing.py), margin
 `unmeetable_margin` < 1 the slack for a fitted model's error. It is an estimate, not a proof.
 
 No pass over the waiting requests: one heap holds every unfinished request with a deadline,
 keyed by when to look at it again, its latest start (deadline - margin x ratio x bound) as of
-its last look. A request is looked at once it arrives (at the next step, with its hit) and
-then when its key passes; a look sheds it or pushes it back with a fresh key. Its bound only
-shrinks as it runs, and grows only when it is preempted (a recompute victim, back with its
-outputs to compute again), when it is looked at again on being put back; so keys are early
-(an extra look), and late only if the ratio rose or a cached prefix was evicted since (then it
-is shed later, never wrongly: a request is shed only by a look at its state now). So a step
-costs the policy a look per arrival, per preemption and per key passed, not per waiting request.
+its last look. A request is looked at once it arrives (at the next step, with its hit; one
+that arrives before the step times are trusted, keyed by its deadline until the first step
+they are) and then when its key passes; a look sheds it or pushes it back with a fresh key.
+Its bound only shrinks as it runs, and grows only when it is preempted (a recompute victim,
+back with its outputs to compute again), when it is looked at again on being put back; so
+keys are early (an extra look), and late only if the ratio rose or a cached prefix was evicted
+since (then it is shed later, never wrongly: a request is shed only by a look at its state
+now). So a step costs the policy a look per arrival, per preemption and per key passed, not
+per waiting request.
 """
 
 from __future__ import annotations
@@ -53,8 +56,9 @@ from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest, served
 from tokenweir.core.policies.fair_share import VirtualTokenCounters
 from tokenweir.core.policies.sla_guard import SLOGuard
 from tokenweir.core.policies.sla_queue import SLAQueue
-from tokenweir.core.policies.sla_score import (FAIRNESS_SHORTFALL, SLAConfig, ScoreParts, due_time,
-                                               priority_class, score_parts, sigmoid, static_key, urgency)
+from tokenweir.core.policies.sla_score import (FAIRNESS_SHORTFALL, UNMEETABLE_MARGIN, SLAConfig, ScoreParts,
+                                               due_time, priority_class, score_parts, sigmoid, static_key,
+                                               urgency)
 from tokenweir.core.queues import RequestQueue
 from tokenweir.core.step_timing import StepTimeCorrection
 from tokenweir.request import Request
@@ -113,6 +117,7 @@ class SLAPolicy(SchedulingPolicy):
         self._deadline_seqs: dict[str, tuple[int, int]] = {}
         self._deadlines_kept = 0
         self._unlooked: list[Request] = []  # drop_unmeetable: arrivals and put-backs since the last look
+        self._margin = UNMEETABLE_MARGIN if cfg.unmeetable_margin is None else cfg.unmeetable_margin
         self.num_shed = {"expired": 0, "unmeetable": 0}
         self._seq = itertools.count()
         self.explained: dict[str, ScoreParts] = {}
@@ -135,6 +140,11 @@ class SLAPolicy(SchedulingPolicy):
             return
         if self.config.drop_unmeetable:
             self._unlooked.append(request)  # looked at with its prefix-cache hit by the next step
+            if self._unmeetable_ratio() is None:
+                # Not judged until the step times are trusted (step_timing.LOW_RATIO_MIN_STEPS):
+                # meanwhile it is shed once its deadline passes, as under drop_expired. Its
+                # first look supersedes this key.
+                self._push_deadline(request, request.deadline)
         elif self.config.drop_expired:
             self._push_deadline(request, request.deadline)
 
@@ -453,17 +463,16 @@ class SLAPolicy(SchedulingPolicy):
             return []
         shed: list[tuple[Request, str]] = []
         ratio = self._unmeetable_ratio()
-        if self._unlooked:
+        # Before the step times are trusted the unlooked wait, untouched (each also has its
+        # deadline in the heap, from its arrival): no pass over them per step.
+        if self._unlooked and ratio is not None:
             unlooked, self._unlooked = self._unlooked, []
             looked: set[int] = set()  # a victim put back twice in one step (preempted, then passed over)
             for request in unlooked:
                 if request.is_finished or id(request) in looked:
                     continue
                 looked.add(id(request))
-                if ratio is None and request.deadline > now:
-                    self._unlooked.append(request)  # no step measured yet: looked at next step
-                else:
-                    self._look(request, now, ratio, least_work, shed)
+                self._look(request, now, ratio, least_work, shed)
         heap, seqs = self._deadlines, self._deadline_seqs
         due = []
         while heap and heap[0][0] <= now:
@@ -521,7 +530,7 @@ class SLAPolicy(SchedulingPolicy):
         assert self.timing is not None
         work = least_work(request)
         predicted = ratio * self.timing.cost_model.least_service_seconds(work)
-        need = self.config.unmeetable_margin * predicted
+        need = self._margin * predicted
         if need > left:
             self.num_shed["unmeetable"] += 1
             more = work.num_samples - 1
@@ -529,7 +538,7 @@ class SLAPolicy(SchedulingPolicy):
             # One decimal, so that a need just over the time left does not print as a tie.
             shed.append((request, f"deadline cannot be met: needs at least {need * 1000:.1f} ms, "
                                   f"{left * 1000:.1f} ms left of its {request.hints.deadline * 1000:.0f} ms "
-                                  f"deadline (estimated: {self.config.unmeetable_margin:g} x the step cost "
+                                  f"deadline (estimated: {self._margin:g} x the step cost "
                                   f"model's {predicted * 1000:.1f} ms for its "
                                   f"{work.num_tokens - work.num_computed_tokens} tokens left to compute in "
                                   f"one step{decodes}, served alone)"))

@@ -65,8 +65,8 @@ from tokenweir.request import Request
 
 # Below the served share 0.8 x the expected share a class gets compensation (the seed's rule).
 FAIRNESS_SHORTFALL = 0.8
-# unmeetable_margin's default (a margin other than it without drop_unmeetable is refused).
-_UNMEETABLE_MARGIN = 0.8
+# The margin drop_unmeetable sheds by when unmeetable_margin is not given.
+UNMEETABLE_MARGIN = 0.8
 # exp() of the sigmoid argument is clamped here: beyond it the sigmoid is 0 or 1 in floats.
 _SIGMOID_CLAMP = 60.0
 
@@ -103,7 +103,10 @@ class SLAConfig(PolicyConfig):
     # time left. An estimate from a fitted model, not a proof: the margin (< 1) is its slack.
     # Sheds expired requests too (a passed deadline cannot be met).
     drop_unmeetable: bool = False
-    unmeetable_margin: float = _UNMEETABLE_MARGIN
+    # None: UNMEETABLE_MARGIN. None rather than 0.8 as the default, so that a margin given
+    # without drop_unmeetable is refused whatever its value, 0.8 too: it would do nothing, and
+    # be taken for shedding that works (as the slo batch knobs without batch_controller 'slo').
+    unmeetable_margin: Optional[float] = None
     # Keep a less important prefill out of a step that would make a more important request
     # miss its TTFT or TPOT SLO (sla_guard.py), by the step times of `cost_profile`.
     protect_slos: bool = True
@@ -145,12 +148,13 @@ class SLAConfig(PolicyConfig):
         for name in ("drop_expired", "drop_unmeetable", "tenant_fairness", "protect_slos", "step_time_correction"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sla {name} must be true or false, got {getattr(self, name)!r}")
-        if not 0 < self.unmeetable_margin < 1:
+        margin = self.unmeetable_margin
+        if margin is not None and not (is_finite_number(margin) and 0 < margin < 1):
             raise ValueError(f"sla unmeetable_margin must be in (0, 1): the share of the cost model's lower "
                              f"bound of a request's remaining time that must still not fit in the time left "
-                             f"before it is shed, got {self.unmeetable_margin!r}")
-        if not self.drop_unmeetable and self.unmeetable_margin != _UNMEETABLE_MARGIN:
-            raise ValueError(f"sla unmeetable_margin ({self.unmeetable_margin!r}) applies only with drop_unmeetable")
+                             f"before it is shed, got {margin!r}")
+        if not self.drop_unmeetable and margin is not None:
+            raise ValueError(f"sla unmeetable_margin ({margin!r}) applies only with drop_unmeetable")
         if self.drop_unmeetable and self.cost_profile is None and not self.step_time_correction:
             # The shipped profile is of one model on one CPU: uncorrected, it could call a
             # request on another machine hopeless that would finish in time.
