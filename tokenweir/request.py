@@ -6,6 +6,7 @@ No torch here: the scheduler, the simulator and the router import this module.
 from __future__ import annotations
 
 import enum
+import sys
 from dataclasses import dataclass, field, fields
 from typing import Optional, Union
 
@@ -212,7 +213,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """The live record of one request. The scheduler mutates it; everyone else reads it.
 
@@ -245,11 +246,23 @@ class Request:
     first_token_time: Optional[float] = None
     last_token_time: Optional[float] = None
     finished_time: Optional[float] = None
+    all_token_ids: list[int] = field(init=False)  # the prompt, then the outputs
+    # The length at which it finishes by length (FINISHED_LENGTH): the prompt plus max_tokens,
+    # within the max_model_len the scheduler sets when the request is added.
+    max_num_tokens: int = field(init=False)
+    # The tokens that finish it once past min_tokens: EOS unless ignored, and the stop ids.
+    finishing_token_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt must contain at least one token")
-        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        params = self.sampling_params
+        self.max_num_tokens = sys.maxsize if params.max_tokens is None else len(self.prompt_token_ids) + params.max_tokens
+        finishing = set(params.stop_token_ids or ())
+        if self.eos_token_id is not None and not params.ignore_eos:
+            finishing.add(self.eos_token_id)
+        self.finishing_token_ids = frozenset(finishing)
 
     @property
     def priority(self) -> int:
@@ -296,9 +309,13 @@ class Request:
     def finish_reason(self) -> Optional[FinishReason]:
         return _FINISH_REASONS.get(self.status)
 
-    def append_output_token(self, token_id: int, now: float) -> None:
+    def append_output_token(self, token_id: int, now: float) -> bool:
+        """Append a sampled token; whether it may have finished the request (its length or a
+        finishing token: the scheduler's stop check runs only then, as this runs for every
+        token of every request)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
         self.last_token_time = now
         if self.first_token_time is None:
             self.first_token_time = now
+        return len(self.all_token_ids) >= self.max_num_tokens or token_id in self.finishing_token_ids

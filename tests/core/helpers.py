@@ -122,10 +122,10 @@ class PagedFakeRunner:
         for new in out.scheduled_new_reqs:
             self.state[new.request_id] = _RunnerRequest(
                 list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
-        for cached in out.scheduled_cached_reqs:
-            req = self.state[cached.request_id]
-            assert req.num_computed_tokens == cached.num_computed_tokens
-            req.block_ids.extend(cached.new_block_ids)
+        for rid, new_block_ids, num_computed in out.scheduled_cached_reqs.rows():
+            req = self.state[rid]
+            assert req.num_computed_tokens == num_computed
+            req.block_ids.extend(new_block_ids)
         # Write all K/V of the step first, then attend, as the real model does per layer.
         for rid, n in out.num_scheduled_tokens.items():
             req = self.state[rid]

@@ -181,7 +181,7 @@ def prefill_counts(scheduler: Scheduler, out: SchedulerOutput, num_tokens: dict[
     them: tokens left after what is computed (prefix hits of a new request included)."""
     threshold = scheduler.config.long_prefill_token_threshold
     computed = {new.request_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
-    computed.update((c.request_id, c.num_computed_tokens) for c in out.scheduled_cached_reqs)
+    computed.update(zip(out.scheduled_cached_reqs.req_ids, out.scheduled_cached_reqs.num_computed_tokens))
     left = {rid: num_tokens[rid] - computed[rid] for rid in out.num_scheduled_tokens}
     return (sum(1 for rid, n in out.num_scheduled_tokens.items() if 1 < left[rid] and n < left[rid]),
             sum(1 for rid in left if left[rid] > threshold))

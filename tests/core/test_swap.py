@@ -8,6 +8,7 @@ import pytest
 
 from tests.core.helpers import PagedFakeRunner, make_request, reference_stream, step
 from tokenweir.core.cost_model import FEATURES, StepCostModel
+from tokenweir.core.scheduler import CachedRequestData
 from tokenweir.request import RequestStatus
 
 
@@ -240,7 +241,7 @@ def test_a_failed_step_recomputes_the_requests_it_swapped_out(make_scheduler):
     assert r2.status == RequestStatus.PREEMPTED and r2.num_computed_tokens == 0
     assert "r2" not in s.kv_cache_manager.req_to_host_blocks and len(s.swapped) == 0
     runner.execute(out.__class__(**{**vars(out), "num_scheduled_tokens": {}, "scheduled_new_reqs": [],
-                                    "scheduled_cached_reqs": [], "blocks_to_swap_out": []}))
+                                    "scheduled_cached_reqs": CachedRequestData(), "blocks_to_swap_out": []}))
     run_steps(s, runner, start=3)
     assert_streams_exact([r2])
 

@@ -68,8 +68,8 @@ def assert_async_engine_released(engine: Any) -> None:
 def num_continued_prefill_chunks(outputs: list[SchedulerOutput]) -> int:
     """Steps in which a request already running got more than one token: the second and later
     chunks of a chunked prefill (a decode step gives exactly one)."""
-    return sum(1 for out in outputs for cached in out.scheduled_cached_reqs
-               if out.num_scheduled_tokens.get(cached.request_id, 0) > 1)
+    return sum(1 for out in outputs for rid in out.scheduled_cached_reqs.req_ids
+               if out.num_scheduled_tokens.get(rid, 0) > 1)
 
 
 def greedy_under_scenario(llm: LLM, prompts: list[list[int]], num_new: int, scenario: str) -> list[list[int]]:

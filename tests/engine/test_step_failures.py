@@ -192,9 +192,9 @@ def test_a_failed_step_that_preempted_leaves_nothing_behind(make_llm, tiny_model
 
 
 def test_an_exception_while_the_scheduler_applies_the_step_fails_only_its_step(engine, oracle):
-    # Two stop checks per step (a, then b): call 2 * FAIL_AT_STEP is b's in that step, after a's
-    # token was applied. The step is half applied when it raises; fail_step settles it.
-    engine.scheduler._check_stop = FailsOnce(engine.scheduler._check_stop, 2 * FAIL_AT_STEP,
-                                             RuntimeError("stop check broke"))
-    assert_only_the_step_failed(engine, oracle, *run(engine), "stop check broke")
+    # Two blocks publications per step (a, then b): call 2 * FAIL_AT_STEP is b's in that step,
+    # after a's token was applied. The step is half applied when it raises; fail_step settles it.
+    kv = engine.scheduler.kv_cache_manager
+    kv.cache_blocks = FailsOnce(kv.cache_blocks, 2 * FAIL_AT_STEP, RuntimeError("publishing broke"))
+    assert_only_the_step_failed(engine, oracle, *run(engine), "publishing broke")
     assert engine.scheduler.step_in_flight is None and engine.scheduler.running == []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_control import BatchController, StepLimits, observe_step
@@ -51,20 +51,28 @@ class NewRequestData:
 
 @dataclass(slots=True)
 class CachedRequestData:
-    """A request the runner already holds; only its newly allocated blocks are sent."""
+    """The scheduled requests the runner already holds, a column each (a record per request
+    per step would be built for every decode row); only their newly allocated blocks are sent."""
 
-    request_id: str
-    # () when the step allocated none (most decode steps): one shared immutable empty value, as
+    req_ids: list[str] = field(default_factory=list)
+    # () where the step allocated none (most decode steps): one shared immutable empty value, as
     # a fresh list per request per step would be garbage the collector keeps sweeping.
-    new_block_ids: Sequence[int]
-    num_computed_tokens: int
+    new_block_ids: list[Sequence[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def rows(self) -> Iterator[tuple[str, Sequence[int], int]]:
+        """(request id, new block ids, computed tokens) of each request."""
+        return zip(self.req_ids, self.new_block_ids, self.num_computed_tokens)
 
 
 @dataclass
 class SchedulerOutput:
     step_id: int
     scheduled_new_reqs: list[NewRequestData]
-    scheduled_cached_reqs: list[CachedRequestData]
+    scheduled_cached_reqs: CachedRequestData
     num_scheduled_tokens: dict[str, int]  # request id -> tokens to compute this step
     total_num_scheduled_tokens: int
     # Request id -> computed tokens before its chunk, of the prefill (or recompute) chunks only
@@ -220,6 +228,7 @@ class Scheduler:
                 f"a request may hold ({self._describe_max_len()})")
             return
         request.status = RequestStatus.WAITING
+        request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -361,21 +370,34 @@ class Scheduler:
             self.finish_requests([request.request_id], RequestStatus.FINISHED_ABORTED, now)
 
         # 1. Running requests keep their place; each continues its prefill or decodes a token.
-        allocate = self.kv_cache_manager.allocate_slots
+        # A decode row whose last block has room (most rows of most steps) is booked here, its
+        # tally counted locally and added once: the general path is a call per row.
+        allocate, num_scheduled = self.kv_cache_manager.allocate_slots, step.num_scheduled
+        num_decode = decode_context = 0
         for request in list(self.running):
             if step.budget == 0:
                 break
             if request.status is not _RUNNING:
                 continue  # preempted earlier in this step to make room for another
-            remaining = num_new = len(request.all_token_ids) - request.num_computed_tokens
+            computed = request.num_computed_tokens
+            remaining = num_new = len(request.all_token_ids) - computed
             if num_new > 1:  # a prefill chunk (a decode's one token fits any budget left)
                 num_new = self._cap_tokens(num_new, step.budget)
             blocks = allocate(request, num_new)
+            if blocks is EMPTY_BLOCKS and remaining == 1 and request.output_token_ids:
+                num_scheduled[request.request_id] = 1
+                step.budget -= 1
+                num_decode += 1
+                decode_context += computed + 1
+                continue
             if blocks is None:
                 blocks = self._allocate_or_preempt(request, num_new, step, now)
                 if blocks is None:
                     continue  # it was preempted itself
             self._schedule_tokens(request, num_new, remaining, blocks, step)
+        # A decode row preempted later in the loop was taken out of the tally already.
+        step.tally.num_decode_seqs += num_decode
+        step.tally.decode_context_tokens += decode_context
 
         # 2. Swapped-out requests come back when their blocks fit, but never in a step that
         # swapped out: its copies out and in could overwrite each other's blocks.
@@ -644,12 +666,17 @@ class Scheduler:
 
     def _make_output(self, step: _StepState) -> SchedulerOutput:
         new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
+        add_cached, add_new_blocks = cached_reqs.req_ids.append, cached_reqs.new_block_ids.append
+        add_computed = cached_reqs.num_computed_tokens.append
         num_scheduled, admitted, new_block_ids = step.num_scheduled, step.admitted, step.new_block_ids
+        # The very Request objects scheduled, in scheduling order (which is running order).
+        scheduled: dict[str, Request] = {}
         for request in self.running:  # running order is the runner's batch order
             rid = request.request_id
             if rid not in num_scheduled:
                 continue
+            scheduled[rid] = request
             if admitted and rid in admitted:
                 new_reqs.append(NewRequestData(
                     request_id=rid, token_ids=list(request.all_token_ids),
@@ -658,7 +685,9 @@ class Scheduler:
                     num_computed_tokens=request.num_computed_tokens,
                     sampling_params=request.sampling_params))
             else:
-                cached_reqs.append(CachedRequestData(rid, new_block_ids.get(rid, ()), request.num_computed_tokens))
+                add_cached(rid)
+                add_new_blocks(new_block_ids.get(rid, ()))
+                add_computed(request.num_computed_tokens)
         # Checked for real (not an assert, which `python -O` drops): a runner handed more than
         # the budget may run out of activation memory.
         # A step's lower sequence cap only holds back admissions, so the configured one bounds
@@ -670,8 +699,7 @@ class Scheduler:
                                f"(max_num_seqs={self.config.max_num_seqs})")
         finished = self.take_finished_req_ids()
         step_id = next(self._step_ids)
-        self._in_flight = _InFlight(step_id, dict(zip(num_scheduled, map(self.requests.__getitem__, num_scheduled))),
-                                    step.swapped_out, step.tally)
+        self._in_flight = _InFlight(step_id, scheduled, step.swapped_out, step.tally)
         # A request preempted and re-admitted within one step is in both preempted_req_ids and
         # new_reqs: runners drop preempted state before taking in new requests.
         return SchedulerOutput(
@@ -701,14 +729,14 @@ class Scheduler:
         in_flight = self._take_in_flight(scheduler_output)
         updates: list[RequestUpdate] = []
         feedback = self._policy_wants_feedback
-        served = StepServed([], [], [], [])
+        served = StepServed()
         any_finished = False
         # Bound once: the loop runs for every scheduled request of every step.
         requests, cache_blocks, check_stop = in_flight.requests, self.kv_cache_manager.cache_blocks, self._check_stop
         add_update = updates.append
         add_served = served.requests.append
         add_computed, add_recomputed = served.num_computed_tokens.append, served.num_recomputed_tokens.append
-        add_output = served.num_output_tokens.append
+        add_output, add_decode = served.num_output_tokens.append, served.decode_requests.append
         try:
             for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
                 request = requests[request_id]
@@ -728,19 +756,24 @@ class Scheduler:
                     if not sampled:
                         raise RuntimeError(f"request {request_id!r} finished its prefill but no token was sampled")
                     for token_id in sampled:
-                        request.append_output_token(token_id, now)
                         num_output += 1
-                        status = check_stop(request, token_id)
-                        if status is not None:
-                            self._finish(request, status, now)
-                            any_finished = True
-                            break
+                        if request.append_output_token(token_id, now):
+                            status = check_stop(request, token_id)
+                            if status is not None:
+                                self._finish(request, status, now)
+                                any_finished = True
+                                if feedback:
+                                    served.finished.append(request)
+                                break
                     add_update(RequestUpdate(request, sampled if num_output == len(sampled) else sampled[:num_output]))
                 if feedback:
-                    add_served(request)
-                    add_computed(num_tokens)
-                    add_recomputed(num_recomputed)
-                    add_output(num_output)
+                    if num_tokens == 1 and num_output == 1 and num_recomputed == 0:
+                        add_decode(request)
+                    else:
+                        add_served(request)
+                        add_computed(num_tokens)
+                        add_recomputed(num_recomputed)
+                        add_output(num_output)
         finally:
             if any_finished:
                 self.running = [r for r in self.running if r.status < _FINISHED]  # not r.is_finished
@@ -771,17 +804,15 @@ class Scheduler:
         self.finish_requests([r.request_id for r in failed], RequestStatus.FINISHED_ABORTED, now)
         return failed
 
-    def _check_stop(self, request: Request, token_id: int) -> Optional[RequestStatus]:
-        params = request.sampling_params
-        num_output, max_tokens = len(request.output_token_ids), params.max_tokens
-        if (len(request.all_token_ids) >= self.max_model_len
-                or (max_tokens is not None and num_output >= max_tokens)):
+    @staticmethod
+    def _check_stop(request: Request, token_id: int) -> Optional[RequestStatus]:
+        """The status a sampled token leaves the request in; asked only when
+        `append_output_token` said it may have finished it."""
+        if len(request.all_token_ids) >= request.max_num_tokens:
             return RequestStatus.FINISHED_LENGTH
-        if num_output < params.min_tokens:
+        params = request.sampling_params
+        if len(request.output_token_ids) < params.min_tokens or token_id not in request.finishing_token_ids:
             return None
-        if token_id == request.eos_token_id and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token_id in params.stop_token_ids:
+        if token_id != request.eos_token_id or params.ignore_eos:
             request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        return None
+        return RequestStatus.FINISHED_STOPPED

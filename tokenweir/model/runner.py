@@ -107,12 +107,11 @@ class ModelRunner:
         states = {new.request_id: self._new_state(new) for new in out.scheduled_new_reqs}
         block_tables = {rid: s.block_ids for rid, s in states.items()}
         computed = {new.request_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
-        for cached in out.scheduled_cached_reqs:
-            rid = cached.request_id
+        for rid, new_block_ids, num_computed in out.scheduled_cached_reqs.rows():
             states[rid] = self.requests[rid]
             blocks = states[rid].block_ids
-            block_tables[rid] = blocks + cached.new_block_ids if cached.new_block_ids else blocks
-            computed[rid] = cached.num_computed_tokens
+            block_tables[rid] = blocks + new_block_ids if new_block_ids else blocks
+            computed[rid] = num_computed
         if not out.num_scheduled_tokens:
             return ModelRunnerOutput({})
 

@@ -9,9 +9,10 @@ scheduler never reads a clock, so the simulator and the engine make the same dec
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 from tokenweir.core.batch_control import StepObservation
@@ -36,6 +37,7 @@ class ServedRequest:
 
 
 ServedRow = tuple[Request, int, int, int]  # the fields of a ServedRequest, in order
+_PLAIN_DECODE = (1, 0, 1)  # a plain decode row's computed, recomputed and output tokens
 
 
 @dataclass(slots=True)
@@ -43,25 +45,38 @@ class StepServed(Sequence[ServedRequest]):
     """What the scheduler hands `on_step_served`: the ServedRequest fields of one step, a column
     each. A record object per scheduled request per step, most of them alive at once, costs
     more than the policies' use of it (and pushes the garbage collector into full passes over
-    the waiting queue); the built-in policies read the rows, records are built on access."""
+    the waiting queue); the built-in policies read the columns (`served_parts`), records are
+    built on access. A plain decode row (one token computed, none recomputed, one sampled: most
+    rows of most steps) is only its request, in `decode_requests`, after the other rows."""
 
-    requests: list[Request]
-    num_computed_tokens: list[int]
-    num_recomputed_tokens: list[int]
-    num_output_tokens: list[int]
+    requests: list[Request] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+    num_recomputed_tokens: list[int] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
+    decode_requests: list[Request] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)  # the served requests the step finished
 
     def __len__(self) -> int:
-        return len(self.requests)
+        return len(self.requests) + len(self.decode_requests)
 
     def __getitem__(self, index: int) -> ServedRequest:  # type: ignore[override]
-        return ServedRequest(self.requests[index], self.num_computed_tokens[index],
-                             self.num_recomputed_tokens[index], self.num_output_tokens[index])
+        if index < 0:
+            index += len(self)
+        num_other = len(self.requests)
+        if 0 <= index < num_other:
+            return ServedRequest(self.requests[index], self.num_computed_tokens[index],
+                                 self.num_recomputed_tokens[index], self.num_output_tokens[index])
+        return ServedRequest(self.decode_requests[index - num_other], *_PLAIN_DECODE)
 
     def __iter__(self) -> Iterator[ServedRequest]:
         return (ServedRequest(*row) for row in self.rows())
 
-    def rows(self) -> Iterator[ServedRow]:
+    def other_rows(self) -> Iterator[ServedRow]:
+        """The rows that are not plain decode rows."""
         return zip(self.requests, self.num_computed_tokens, self.num_recomputed_tokens, self.num_output_tokens)
+
+    def rows(self) -> Iterator[ServedRow]:
+        return itertools.chain(self.other_rows(), ((r, *_PLAIN_DECODE) for r in self.decode_requests))
 
 
 def served_rows(served: Sequence[ServedRequest]) -> Iterable[ServedRow]:
@@ -69,6 +84,18 @@ def served_rows(served: Sequence[ServedRequest]) -> Iterable[ServedRow]:
     if isinstance(served, StepServed):
         return served.rows()
     return ((s.request, s.num_computed_tokens, s.num_recomputed_tokens, s.num_output_tokens) for s in served)
+
+
+def served_parts(served: Sequence[ServedRequest]) -> tuple[Iterable[ServedRow], Sequence[Request], Sequence[Request]]:
+    """A step's feedback in three parts: the rows that are not plain decode rows, the requests
+    of the plain decode rows (each one token computed, none recomputed, one sampled: a policy
+    may count them by attribute in one C-level pass), and the requests the step finished."""
+    if isinstance(served, StepServed):
+        return served.other_rows(), served.decode_requests, served.finished
+    rows = list(served_rows(served))
+    decode = [row[0] for row in rows if row[1:] == _PLAIN_DECODE]
+    return ([row for row in rows if row[1:] != _PLAIN_DECODE], decode,
+            [row[0] for row in rows if row[0].finished_time is not None])
 
 
 class SchedulingPolicy(ABC):
@@ -124,7 +151,7 @@ class SchedulingPolicy(ABC):
 
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         """Called once per step after its results are applied, with every scheduled request
-        (from the scheduler, a StepServed: read it with `served_rows`)."""
+        (from the scheduler, a StepServed: read it with `served_rows` or `served_parts`)."""
 
     def on_step_observed(self, observation: StepObservation) -> None:
         """Called once per step after its results are applied (not for a failed step), with

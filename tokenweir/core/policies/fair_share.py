@@ -29,16 +29,18 @@ leaves its tenant's counter alone, as it was not idle and is owed the service it
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import json
+import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from tokenweir.checks import is_finite_number
-from tokenweir.core.policies.base import PolicyConfig, ServedRequest, served_rows
+from tokenweir.core.policies.base import PolicyConfig, ServedRequest, served_parts
 from tokenweir.request import Request
 
 # Idle tenants (not backlogged) whose counters are kept before any is pruned: a deployment with
@@ -46,6 +48,7 @@ from tokenweir.request import Request
 PRUNE_SLACK = 1024
 
 Tenant = Optional[str]  # None: requests that name no tenant share one counter
+_TENANT = operator.attrgetter("hints.tenant")
 
 
 def parse_tenant_weights(text: Optional[str]) -> dict[str, float]:
@@ -234,8 +237,12 @@ class VirtualTokenCounters:
     def charge(self, served: Sequence[ServedRequest]) -> None:
         cfg = self.config
         w_in, w_out = cfg.input_weight, cfg.output_weight
-        growth: dict[Tenant, float] = {}
-        for request, num_computed, num_recomputed, num_output in served_rows(served):
+        rows, decode_requests, _ = served_parts(served)
+        # A plain decode row is one output token, never a prompt token: counted per tenant in C,
+        # as this runs for every decode row of every step.
+        growth: dict[Tenant, float] = {tenant: w_out * count
+                                       for tenant, count in collections.Counter(map(_TENANT, decode_requests)).items()}
+        for request, num_computed, num_recomputed, num_output in rows:
             tokens = w_out * num_output
             # fresh_prompt_tokens(), inlined: this loop runs for every request of every step.
             num_prompt, end = len(request.prompt_token_ids), request.num_computed_tokens

@@ -42,6 +42,7 @@ per waiting request.
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import logging
@@ -52,7 +53,7 @@ from typing import Optional
 
 from tokenweir.core.batch_control import StepObservation
 from tokenweir.core.cost_model import RemainingWork, StepTally, load_cost_model
-from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest, served_rows
+from tokenweir.core.policies.base import SchedulingPolicy, ServedRequest, served_parts
 from tokenweir.core.policies.fair_share import VirtualTokenCounters
 from tokenweir.core.policies.sla_guard import SLOGuard
 from tokenweir.core.policies.sla_queue import SLAQueue
@@ -70,6 +71,7 @@ _EXPLAINED = 64
 # A lower bound of scores proves "no preemption" only with this to spare: the bound and the
 # exact score sum the same terms in another order, which may round the other way.
 _BOUND_SLACK = 1e-9
+_PRIORITY = operator.attrgetter("hints.priority")
 
 
 class SLAPolicy(SchedulingPolicy):
@@ -432,16 +434,18 @@ class SLAPolicy(SchedulingPolicy):
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         n = self.config.num_priority_classes
         served_tokens, statics = self._served, self._statics
-        for request, num_computed, num_recomputed, _ in served_rows(served):
-            priority = request.hints.priority
-            cls = 0 if priority <= 0 else (priority if priority < n else n - 1)
-            served_tokens[cls] += num_computed - num_recomputed
-            if request.finished_time is not None:
-                # Its cached statics go with it: kept until the next prune, finished requests
-                # (their token lists) would be freed a thousand at a time, and CPython's
-                # collector counts allocations against frees only while its count is above
-                # zero: freed in bulk they drive it into extra full collections.
-                statics.pop(request.request_id, None)
+        rows, decode_requests, finished = served_parts(served)
+        for request, num_computed, num_recomputed, _ in rows:
+            served_tokens[priority_class(request.hints.priority, n)] += num_computed - num_recomputed
+        # One token each, counted by priority in C: this runs for every decode row of every step.
+        for priority, count in collections.Counter(map(_PRIORITY, decode_requests)).items():
+            served_tokens[priority_class(priority, n)] += count
+        for request in finished:
+            # Its cached statics go with it: kept until the next prune, finished requests
+            # (their token lists) would be freed a thousand at a time, and CPython's
+            # collector counts allocations against frees only while its count is above
+            # zero: freed in bulk they drive it into extra full collections.
+            statics.pop(request.request_id, None)
         if self.counters is not None:
             self.counters.charge(served)
 
