@@ -60,9 +60,6 @@ class CachedRequestData:
     new_block_ids: list[Sequence[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
 
-    def __len__(self) -> int:
-        return len(self.req_ids)
-
     def rows(self) -> Iterator[tuple[str, Sequence[int], int]]:
         """(request id, new block ids, computed tokens) of each request."""
         return zip(self.req_ids, self.new_block_ids, self.num_computed_tokens)
