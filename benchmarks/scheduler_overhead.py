@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import json
 import platform
@@ -101,6 +102,37 @@ def build(num_running: int, num_waiting: int, prompt_len: int = 128, policy: str
             return sched
 
 
+def collect_earlier_garbage() -> None:
+    """Collect what earlier cases dropped before a case is timed. A dropped scheduler is cyclic
+    garbage (the free-block queue is doubly linked; sla's queue holds its policy's bound
+    methods), 100,000+ objects: left alone, the next case's steps would pay for the full
+    collection that frees it. The collections a case's own steps cause are still timed: they
+    are part of its cost."""
+    gc.collect()
+
+
+class CollectorTime:
+    """CPU seconds CPython's cyclic collector runs inside the block (gc.callbacks): the part of
+    a case's steps that is collections its own allocations caused."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __enter__(self) -> "CollectorTime":
+        gc.callbacks.append(self._on_collection)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_collection)
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.process_time()
+        else:
+            self.seconds += time.process_time() - self._start
+
+
 def run_steps(sched: Scheduler, steps: int) -> None:
     now = sched.bench_now  # type: ignore[attr-defined]
     for _ in range(steps):
@@ -166,9 +198,11 @@ def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs"
         assert len(sched.running) == num_running, "the slo cap must hold every running request here"
     settle(sched)
     run_steps(sched, 50)  # warm up
-    start = time.process_time()
-    run_steps(sched, steps)
-    per_step_ms = (time.process_time() - start) / steps * 1e3
+    collect_earlier_garbage()
+    with CollectorTime() as collector:
+        start = time.process_time()
+        run_steps(sched, steps)
+        per_step_ms = (time.process_time() - start) / steps * 1e3
     top = profile_top(lambda: run_steps(sched, min(steps, 500)))
     label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
     if hints_of is batch_backlog_hints:
@@ -177,17 +211,22 @@ def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs"
         label += ", a deadline on every request"
     options = dict(options or {})
     composition = options.pop("composition", None)
-    if options.pop("batch_controller", None) is not None:
-        label += ", --batch-controller slo"
-        options.pop("batch_control_config")
-    if options or long_slot_taken:
-        label += " + partial prefills 4/1" + (", long slot taken, all waiting long" if long_slot_taken else "")
+    label += options_label(options, long_slot_taken)
     if composition is not None:
         label += f", {composition.admission_order} order"
     return {"policy": label,
             "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
             "cpu_ms_per_step": round(per_step_ms, 4),
+            "collector_ms_per_step": round(collector.seconds / steps * 1e3, 4),
             "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3), "profile_top": top}
+
+
+def options_label(options: dict, long_slot_taken: bool = False) -> str:
+    """What a case's scheduler options (SLO_BATCH, PARTIAL_PREFILLS) add to its label."""
+    label = ", --batch-controller slo" if "batch_controller" in options else ""
+    if set(options) & set(PARTIAL_PREFILLS) or long_slot_taken:
+        label += " + partial prefills 4/1" + (", long slot taken, all waiting long" if long_slot_taken else "")
+    return label
 
 
 def profile_top(run) -> str:
@@ -217,16 +256,18 @@ def churn_request(i: int, hints: SchedulingHints, arrival_time: float) -> Reques
 
 def measure_churn(num_running: int, num_waiting: int, steps: int,
                   composition: CompositionConfig = CompositionConfig(), policy: str = "fcfs",
-                  policy_config=None, hints_of: Callable[[int], SchedulingHints] = mixed_hints) -> dict:
+                  policy_config=None, hints_of: Callable[[int], SchedulingHints] = mixed_hints,
+                  options: Optional[dict] = None) -> dict:
     """256 running and 10,000 waiting, requests finishing and admitted every step (each one
     replaced by a new arrival outside the timed calls): the admission order chooses every step.
+    `options`: more SchedulerConfig fields (SLO_BATCH, PARTIAL_PREFILLS).
     Under a policy other than fcfs every request has the policy cases' hints (mixed_hints), and
     the replacements arrive at the step's time, so their SLOs fall due while they wait."""
     block_size = 16
     per_req = (CHURN_PREFIX_LEN + CHURN_SUFFIX_LEN + 96) // block_size + 1
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=num_running, composition=composition,
-                        policy=policy, policy_config=policy_config),
+                        policy=policy, policy_config=policy_config, **(options or {})),
         CacheConfig(block_size=block_size, num_blocks=num_running * per_req + 8 * CHURN_PREFIXES))
     counter = iter(range(10**9))
 
@@ -254,13 +295,17 @@ def measure_churn(num_running: int, num_waiting: int, steps: int,
         return clock
 
     run(450)  # through the first admissions into steady churn, and warm
-    per_step_ms = run(steps) / steps * 1e3
+    collect_earlier_garbage()
+    with CollectorTime() as collector:
+        per_step_ms = run(steps) / steps * 1e3
     label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
     if hints_of is all_deadline_hints:
         label += ", a deadline on every request"
+    label += options_label(options or {})
     return {"policy": f"{label}, churn (8 shared prefixes), {composition.admission_order} order",
             "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
             "cpu_ms_per_step": round(per_step_ms, 4),
+            "collector_ms_per_step": round(collector.seconds / steps * 1e3, 4),
             "us_per_running_request": round(per_step_ms * 1e3 / num_running, 3),
             "profile_top": profile_top(lambda: run(min(steps, 500)))}
 
@@ -293,7 +338,7 @@ def main() -> None:
                                  "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped",
                                  "churn-cache-aware,sampling-grouped", "churn-sla",
                                  "churn-sla-tenants", "churn-vtc", "sla-drop-unmeetable",
-                                 "churn-sla-drop-unmeetable"])
+                                 "churn-sla-drop-unmeetable", "churn-slo", "churn-partial-prefills"])
     args = parser.parse_args()
     cases = {"fcfs": lambda: measure(256, 10_000, args.steps), "fcfs-1024": lambda: measure(1024, 0, args.steps // 2),
              "sla": lambda: measure(256, 10_000, args.steps, "sla"),
@@ -317,7 +362,9 @@ def main() -> None:
                                                     hints_of=all_deadline_hints),
              "churn-sla-drop-unmeetable": lambda: measure_churn(256, 10_000, args.steps, policy="sla",
                                                                 policy_config=SLAConfig(drop_unmeetable=True),
-                                                                hints_of=all_deadline_hints)}
+                                                                hints_of=all_deadline_hints),
+             "churn-slo": lambda: measure_churn(256, 10_000, args.steps, options=SLO_BATCH),
+             "churn-partial-prefills": lambda: measure_churn(256, 10_000, args.steps, options=PARTIAL_PREFILLS)}
     if args.cases:  # a subset: printed only, the docs stay as the last full run wrote them
         for name in args.cases:
             r = cases[name]()
@@ -333,6 +380,7 @@ def main() -> None:
         median = statistics.median(times)
         n = runs[0]["num_running"]
         results.append({**runs[0], "cpu_ms_per_step": round(median, 4), "cpu_ms_per_step_rounds": times,
+                        "collector_ms_per_step": statistics.median(r["collector_ms_per_step"] for r in runs),
                         "us_per_running_request": round(median * 1e3 / n, 3)})
     hashing = measure_hashing()
     machine = f"{cpu_name()}, {platform.python_implementation()} {platform.python_version()}"
@@ -346,13 +394,15 @@ def main() -> None:
              "by up to 40% per case, so compare cases only within one run, and code only in paired runs).  ",
              f"Each case ran {args.repeats} times, the cases interleaved (round 1 of every case, then "
              "round 2, ...); the table gives the median over rounds and every round's figure.", "",
-             "| policy | running | waiting | CPU ms / step (median) | rounds | us / running request |",
-             "|---|---|---|---|---|---|"]
+             "| policy | running | waiting | CPU ms / step (median) | rounds | of it, collector (median) "
+             "| us / running request |",
+             "|---|---|---|---|---|---|---|"]
     for r in results:
         rounds_text = " / ".join(f"{t:.2f}" for t in r["cpu_ms_per_step_rounds"])
         lines.append(f"| {r['policy']} | {r['num_running']} | {r['num_waiting']} | {r['cpu_ms_per_step']:.3f} "
-                     f"| {rounds_text} | {r['us_per_running_request']} |")
+                     f"| {rounds_text} | {r['collector_ms_per_step']:.3f} | {r['us_per_running_request']} |")
     over = [r["policy"] for r in results if r["num_running"] == 256 and r["cpu_ms_per_step"] > 1.0]
+    collected = [r["policy"] for r in results if r["collector_ms_per_step"] > 0]
     lines += ["", "Target: <= 1 ms per step at 256 running + 10k waiting, for every policy. Cases over it "
               f"(median) in this run: {'; '.join(over) if over else 'none'}. The policy "
               "cases (`sla`, `vtc`) give every request SchedulingHints: 30% interactive (priority 0, "
@@ -367,7 +417,8 @@ def main() -> None:
               "decode it costs one key per request every block_size steps.", "",
               "Where the time goes: the waiting queue costs nothing per step once `max_num_seqs` is "
               "reached (the admission loop stops at its head), so the cost is linear in the number of "
-              "running requests, about 2 us each: `update_from_output` (append the token, stop "
+              f"running requests, about {results[0]['us_per_running_request']:.1f} us each (fcfs): "
+              "`update_from_output` (append the token, stop "
               "checks, publish a block every `block_size` tokens) is more than half, the running "
               "loop of `schedule` (a decode whose last block has room is answered by "
               "`allocate_slots` with one comparison, without the capping and preemption helpers) "
@@ -390,6 +441,16 @@ def main() -> None:
               "of the sampled tokens, an empty block list) used to push CPython's collector into "
               "passes over every object of the 10,000 waiting requests, 0.1-0.3 ms per step in the "
               "policy cases; the step allocates none of them now.", "",
+              "The collector column is the CPU time of CPython's cyclic collector inside the timed "
+              "steps (gc.callbacks; what earlier cases dropped is collected before a case is timed). "
+              "A step that frees about as many tracked objects as it allocates never reaches the "
+              "collector's threshold; one that keeps some (new heap entries, entries of requests "
+              "that left, freed in bulk when a heap is compacted: the collector's count does not go "
+              "below zero, so frees in bulk do not cancel allocations spread over steps) runs young "
+              "collections every few tens of steps and now and then a full one, which walks every "
+              "object of the process (here the 10,000 waiting requests; in a server also the "
+              "model's): one such collection is a pause of tens of milliseconds or more inside one step. "
+              f"Cases with collections in this run: {'; '.join(collected) if collected else 'none'}.", "",
               "`--batch-controller slo` adds to the fcfs step one pass over the step's updates and one "
               "sum over the running requests' computed tokens (the `StepObservation` it learns from), "
               "a prediction of that step, and once per adjustment interval (1 s, 50 steps of this "

@@ -172,7 +172,7 @@ def test_the_policy_keeps_nothing_of_requests_with_deadlines_that_finished(tmp_p
         while s.has_unfinished_requests():
             _, now = _step(s, runner, now)
         now += 1.0  # one request a second: every earlier one's deadline has passed
-    assert len(policy._deadline_seqs) <= 3 and len(policy._deadlines) <= 3 and not policy._unlooked
+    assert len(policy._deadline_entries) <= 3 and len(policy._deadlines) <= 3 and not policy._unlooked
     assert_no_leaks(s)
 
 

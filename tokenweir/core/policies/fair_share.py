@@ -264,7 +264,8 @@ class VirtualTokenCounters:
         """The backlogged tenant with the smallest counter (ties: the earlier entry). With
         `among`, only tenants in it count (a scan: used for the few tenants of one band)."""
         if among is not None:
-            return min(among, key=self.counter)
+            # A backlogged tenant always has a counter (add_waiting sets it, pruning spares it).
+            return min(among, key=self.counters.__getitem__)
         heap = self._heap
         while heap:
             value, _, tenant = heap[0]

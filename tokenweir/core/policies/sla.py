@@ -113,10 +113,16 @@ class SLAPolicy(SchedulingPolicy):
         # aged, only raises the true minimum, so a stale value is still a lower bound.
         self._key_floor = [math.inf] * n
         self._first_scan = False  # the next scan sees every running request (see select_victim)
-        # Shedding (see the module's doc): (when to look at it next, seq, request), a heap, and
-        # request id -> (the seq of its live entry, its tokens left to compute at that look).
-        self._deadlines: list[tuple[float, int, Request]] = []
-        self._deadline_seqs: dict[str, tuple[int, int]] = {}
+        # Shedding (see the module's doc): (when to look at it next, seq, request id), a heap,
+        # and request id -> (the seq of its live item, its tokens left to compute at that look,
+        # the request). Heap items hold numbers and a string only, so CPython's collector
+        # untracks them, and a finished request leaves `_deadline_entries` at once (see
+        # on_step_served): held by the heap until compaction, every request served would stay
+        # alive thousands of steps after it finished and be freed in bulk, which drove the
+        # collector into young collections every few steps and full ones (see _Item in
+        # sla_queue.py).
+        self._deadlines: list[tuple[float, int, str]] = []
+        self._deadline_entries: dict[str, tuple[int, int, Request]] = {}
         self._deadlines_kept = 0
         self._unlooked: list[Request] = []  # drop_unmeetable: arrivals and put-backs since the last look
         self._margin = UNMEETABLE_MARGIN if cfg.unmeetable_margin is None else cfg.unmeetable_margin
@@ -155,9 +161,10 @@ class SLAPolicy(SchedulingPolicy):
         recompute victim has more to compute than at its last look (its outputs too): looked at
         again. Any other keeps a key that is early, or the one it had."""
         if self.config.drop_unmeetable and request.deadline is not None:
-            entry = self._deadline_seqs.get(request.request_id)
-            # (Without an entry it has not been looked at yet: it is among the unlooked.)
-            if entry is not None and request.num_tokens - request.num_computed_tokens > entry[1]:
+            entry = self._deadline_entries.get(request.request_id)
+            # (Without an entry of its own it has not been looked at yet: it is among the unlooked.)
+            if (entry is not None and entry[2] is request
+                    and request.num_tokens - request.num_computed_tokens > entry[1]):
                 self._unlooked.append(request)
 
     def begin_step(self, now: float, waiting: RequestQueue, running: Sequence[Request]) -> None:
@@ -433,7 +440,7 @@ class SLAPolicy(SchedulingPolicy):
 
     def on_step_served(self, served: Sequence[ServedRequest], now: float) -> None:
         n = self.config.num_priority_classes
-        served_tokens, statics = self._served, self._statics
+        served_tokens, statics, deadlines = self._served, self._statics, self._deadline_entries
         rows, decode_requests, finished = served_parts(served)
         for request, num_computed, num_recomputed, _ in rows:
             served_tokens[priority_class(request.hints.priority, n)] += num_computed - num_recomputed
@@ -446,6 +453,7 @@ class SLAPolicy(SchedulingPolicy):
             # collector counts allocations against frees only while its count is above
             # zero: freed in bulk they drive it into extra full collections.
             statics.pop(request.request_id, None)
+            deadlines.pop(request.request_id, None)
         if self.counters is not None:
             self.counters.charge(served)
 
@@ -477,25 +485,25 @@ class SLAPolicy(SchedulingPolicy):
                     continue
                 looked.add(id(request))
                 self._look(request, now, ratio, least_work, shed)
-        heap, seqs = self._deadlines, self._deadline_seqs
+        heap, entries = self._deadlines, self._deadline_entries
         due = []
         while heap and heap[0][0] <= now:
-            _, seq, request = heapq.heappop(heap)
-            entry = seqs.get(request.request_id)
+            _, seq, request_id = heapq.heappop(heap)
+            entry = entries.get(request_id)
             if entry is None or entry[0] != seq:
-                continue  # superseded by a later look
-            if request.is_finished:
-                del seqs[request.request_id]  # its live entry gone: nothing of it is kept
+                continue  # superseded by a later look, or finished
+            if entry[2].is_finished:  # aborted (a served one left at its step's end)
+                del entries[request_id]
             else:
-                due.append(request)
+                due.append(entry[2])
         for request in due:  # after the pops: a fresh key is never <= now, but floats round
             self._look(request, now, ratio, least_work, shed)
         if len(heap) > 2 * self._deadlines_kept + 64:  # finished and superseded entries, now and then
-            live = [item for item in heap if not item[2].is_finished
-                    and seqs.get(item[2].request_id, (None,))[0] == item[1]]
+            live = [item for item in heap
+                    if (e := entries.get(item[2])) is not None and e[0] == item[1] and not e[2].is_finished]
             heapq.heapify(live)
             self._deadlines = live
-            self._deadline_seqs = {item[2].request_id: seqs[item[2].request_id] for item in live}
+            self._deadline_entries = {item[2]: entries[item[2]] for item in live}
             self._deadlines_kept = len(live)
         return shed
 
@@ -510,8 +518,8 @@ class SLAPolicy(SchedulingPolicy):
 
     def _push_deadline(self, request: Request, key: float) -> None:
         seq = next(self._seq)
-        self._deadline_seqs[request.request_id] = (seq, request.num_tokens - request.num_computed_tokens)
-        heapq.heappush(self._deadlines, (key, seq, request))
+        self._deadline_entries[request.request_id] = (seq, request.num_tokens - request.num_computed_tokens, request)
+        heapq.heappush(self._deadlines, (key, seq, request.request_id))
 
     def _look(self, request: Request, now: float, ratio: Optional[float],
               least_work: Callable[[Request], RemainingWork], shed: list[tuple[Request, str]]) -> None:
@@ -521,7 +529,7 @@ class SLAPolicy(SchedulingPolicy):
         assert deadline is not None
         left = deadline - now
         # Shed or re-keyed below: an entry it still has in the heap is no longer its own.
-        self._deadline_seqs.pop(request.request_id, None)
+        self._deadline_entries.pop(request.request_id, None)
         if left <= 0:
             self.num_shed["expired"] += 1
             shed.append((request, f"deadline exceeded: the request's deadline of "
