@@ -213,11 +213,13 @@ def _slo_batch_field(name: str, help_text: str) -> object:
 
 
 def _sla_field(name: str, help_text: str, shown_default: object = None) -> object:
-    """An engine arg `sla_<name>` with SLAConfig's default (one place for each default); the
-    help shows `shown_default` where that default is None for "not given"."""
+    """An engine arg `sla_<name>`: None unless set, so that it is refused with another policy
+    whatever its value, SLAConfig's default too (that default, the one place for it, fills in
+    where it is not set). The help shows that default, or `shown_default` where SLAConfig's
+    own is None for "not given"."""
     default = getattr(_SLA, name)
     shown = default if shown_default is None else shown_default
-    return field(default=default, metadata={"help": f"{help_text} (default {shown})"})
+    return field(default=None, metadata={"help": f"{help_text} (default {shown})"})
 
 
 @dataclass
@@ -254,33 +256,34 @@ class EngineArgs:
     scheduling_policy: str = field(default="fcfs", metadata={
         "help": "fcfs | priority | sla (adaptive score) | vtc (per-tenant fair share)"})
     # --- sla: score = -priority*base + urgency*load_adj*urgency_w - resource*resource_w + fairness + aging
-    sla_base_weight: float = _sla_field("base_weight", "sla: score per priority level (smaller priority first)")
-    sla_urgency_weight: float = _sla_field(
+    sla_base_weight: Optional[float] = _sla_field(
+        "base_weight", "sla: score per priority level (smaller priority first)")
+    sla_urgency_weight: Optional[float] = _sla_field(
         "urgency_weight", "sla: weight of urgency, a sigmoid of (now - due time) / sla_time_window")
-    sla_time_window: float = _sla_field("time_window", "sla: seconds, the urgency sigmoid's scale")
-    sla_resource_weight: float = _sla_field(
+    sla_time_window: Optional[float] = _sla_field("time_window", "sla: seconds, the urgency sigmoid's scale")
+    sla_resource_weight: Optional[float] = _sla_field(
         "resource_weight", "sla: weight of log(prompt + max_tokens) / sla_resource_scale, subtracted (short first)")
-    sla_resource_scale: float = _sla_field("resource_scale", "sla: divides the log of the request's tokens")
-    sla_load_threshold: float = _sla_field(
+    sla_resource_scale: Optional[float] = _sla_field("resource_scale", "sla: divides the log of the request's tokens")
+    sla_load_threshold: Optional[float] = _sla_field(
         "load_threshold", "sla: load at which urgency weighs x1; load = max(share of unfinished requests "
                           "waiting, sla_kv_load_weight x KV cache usage)")
-    sla_load_sensitivity: float = _sla_field(
+    sla_load_sensitivity: Optional[float] = _sla_field(
         "load_sensitivity", "sla: urgency's load adjustment is 1 + (load - threshold) * sensitivity")
-    sla_kv_load_weight: float = _sla_field(
+    sla_kv_load_weight: Optional[float] = _sla_field(
         "kv_load_weight", "sla: weight in [0, 1] of KV cache usage in the load (0: queue depth only)")
-    sla_fairness_factor: float = _sla_field(
+    sla_fairness_factor: Optional[float] = _sla_field(
         "fairness_factor", "sla: boost per share point a priority class is served below 0.8x its demand share")
-    sla_fairness_window: float = _sla_field("fairness_window", "sla: seconds over which class shares decay")
-    sla_aging_rate: float = _sla_field("aging_rate", "sla: score per second waited")
-    sla_max_wait: float = _sla_field(
+    sla_fairness_window: Optional[float] = _sla_field("fairness_window", "sla: seconds over which class shares decay")
+    sla_aging_rate: Optional[float] = _sla_field("aging_rate", "sla: score per second waited")
+    sla_max_wait: Optional[float] = _sla_field(
         "max_wait", "sla: seconds after which a waiting request goes before every younger one (wait bound)")
-    sla_preempt_margin: float = _sla_field(
+    sla_preempt_margin: Optional[float] = _sla_field(
         "preempt_margin", "sla: a waiting request preempts only a running one scored this much lower (hysteresis)")
-    sla_max_preemptions: int = _sla_field(
+    sla_max_preemptions: Optional[int] = _sla_field(
         "max_preemptions", "sla: a request preempted this many times is not preempted again for another")
-    sla_drop_expired: bool = _sla_field(
+    sla_drop_expired: Optional[bool] = _sla_field(
         "drop_expired", "sla: finish requests whose deadline_ms has passed (error 504 deadline_exceeded)")
-    sla_drop_unmeetable: bool = _sla_field(
+    sla_drop_unmeetable: Optional[bool] = _sla_field(
         "drop_unmeetable", "sla: also finish requests whose deadline_ms cannot be met, by the step cost model "
                            "(sla_cost_profile, scaled by measured step times): even served alone from now "
                            "(remaining prefill in one step, then a decode step per token it must still sample: "
@@ -293,23 +296,24 @@ class EngineArgs:
         "unmeetable_margin", "sla: in (0, 1), the share of the cost model's lower bound that must still not fit "
                              "before --sla-drop-unmeetable sheds a request (its slack for the model's error); "
                              "refused without it", shown_default=UNMEETABLE_MARGIN)
-    sla_protect_slos: bool = _sla_field(
+    sla_protect_slos: Optional[bool] = _sla_field(
         "protect_slos", "sla: keep a less important prefill out of a step that would make a more important "
                         "running request miss its TTFT or TPOT SLO (step times from sla_cost_profile)")
     sla_cost_profile: Optional[str] = _sla_field(
         "cost_profile", "sla: step cost profile (tokenweir profile) for --sla-protect-slos; default: the shipped CPU one")
-    sla_step_time_correction: bool = _sla_field(
+    sla_step_time_correction: Optional[bool] = _sla_field(
         "step_time_correction", "sla: scale the SLO guard's predicted step times by the running ratio of measured to "
                                 "predicted step periods (a profile of another machine, or a busier one)")
-    sla_tenant_fairness: bool = _sla_field(
+    sla_tenant_fairness: Optional[bool] = _sla_field(
         "tenant_fairness", "sla: within a priority class, serve tenants by virtual token counters (VTC)")
     num_priority_classes: int = field(default=_SLA.num_priority_classes, metadata={
         "help": "priority classes (priority clamped to [0, n-1]) for sla fairness and per-class metrics "
                 f"(default {_SLA.num_priority_classes})"})
     # --- vtc (alone, or sla's tenant term)
-    vtc_input_weight: float = field(default=_VTC.input_weight, metadata={
+    # None unless set, as the sla knobs above: refused without vtc, whatever the value.
+    vtc_input_weight: Optional[float] = field(default=None, metadata={
         "help": f"vtc: counter units per prompt token computed (default {_VTC.input_weight})"})
-    vtc_output_weight: float = field(default=_VTC.output_weight, metadata={
+    vtc_output_weight: Optional[float] = field(default=None, metadata={
         "help": f"vtc: counter units per generated token (default {_VTC.output_weight})"})
     vtc_tenant_weights: Optional[str] = field(default=None, metadata={
         "help": "vtc: tenant shares, 'a=2,b=1' or @file.json ({tenant: weight}); others weigh 1"})
@@ -319,10 +323,11 @@ class EngineArgs:
                 f"the tenant served next; sla: none): {' | '.join(ADMISSION_ORDERS)}, or several of those but "
                 f"policy joined by commas (cache-aware,sampling-grouped: the first decides, the next ones "
                 f"break its ties) (default {_COMPOSITION.admission_order})"})
-    admission_max_wait: float = field(default=_COMPOSITION.max_wait, metadata={
+    # These two are None unless set: refused with the `policy` order, whatever the value.
+    admission_max_wait: Optional[float] = field(default=None, metadata={
         "help": "seconds after which a waiting request is passed by no later arrival of its band "
                 f"(the aging bound of the admission orders; default {_COMPOSITION.max_wait})"})
-    admission_window: int = field(default=_COMPOSITION.window, metadata={
+    admission_window: Optional[int] = field(default=None, metadata={
         "help": f"requests of a band an admission order chooses among (default {_COMPOSITION.window})"})
     # --- batch control: who sets each step's token budget and sequence cap
     batch_controller: str = field(default="static", metadata={
@@ -445,14 +450,18 @@ class EngineArgs:
         knobs = {knob: given[arg] for arg, knob in self._SLO_BATCH_ARGS.items() if arg in given}
         return SLOBatchConfig(target_tpot_ms=self.target_tpot_ms, **knobs)
 
+    _COMPOSITION_ARGS = {"admission_max_wait": "max_wait", "admission_window": "window"}
+
     def _composition(self) -> CompositionConfig:
         """The admission order, refused where it could do nothing (a silent no-op flag would be
         taken for one that works)."""
-        composition = CompositionConfig(self.admission_order, self.admission_max_wait, self.admission_window)
+        # None is "not given" (CompositionConfig's defaults fill in), so a bound given at the
+        # default's value is refused with `policy` as any other is.
+        given = {arg: getattr(self, arg) for arg in self._COMPOSITION_ARGS if getattr(self, arg) is not None}
+        composition = CompositionConfig(self.admission_order,
+                                        **{self._COMPOSITION_ARGS[arg]: value for arg, value in given.items()})
         order = composition.admission_order
         if order == _COMPOSITION.admission_order:
-            given = [arg for arg, knob in (("admission_max_wait", "max_wait"), ("admission_window", "window"))
-                     if getattr(self, arg) != getattr(_COMPOSITION, knob)]
             if given:
                 raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to an "
                                  f"admission_order other than {order!r}")
@@ -465,29 +474,30 @@ class EngineArgs:
         return composition
 
     def _policy_config(self) -> Optional[PolicyConfig]:
-        """The knobs of the chosen policy (None: a policy without knobs takes its defaults)."""
-        sla_knobs = [f.name for f in fields(SLAConfig) if f.name not in ("num_priority_classes", "vtc")]
-        if self.scheduling_policy != "sla":
-            given = [f"sla_{k}" for k in sla_knobs if getattr(self, f"sla_{k}") != getattr(_SLA, k)]
-            if given:
-                raise ValueError(f"{', '.join(given)} only apply to scheduling_policy 'sla', "
-                                 f"not {self.scheduling_policy!r}")
-        vtc_given = [arg for arg in ("vtc_input_weight", "vtc_output_weight", "vtc_tenant_weights")
-                     if getattr(self, arg) != getattr(EngineArgs, arg)]
+        """The knobs of the chosen policy (None: a policy without knobs takes its defaults).
+        A knob is given when it is not None, whatever its value: one given where it does
+        nothing is refused, and the configs' defaults fill in those not given."""
+        sla_given = {k: getattr(self, f"sla_{k}") for k in (f.name for f in fields(SLAConfig))
+                     if k not in ("num_priority_classes", "vtc") and getattr(self, f"sla_{k}") is not None}
+        if self.scheduling_policy != "sla" and sla_given:
+            raise ValueError(f"{', '.join(f'sla_{k}' for k in sla_given)} only apply to scheduling_policy 'sla', "
+                             f"not {self.scheduling_policy!r}")
+        vtc_given = {k: getattr(self, f"vtc_{k}") for k in ("input_weight", "output_weight", "tenant_weights")
+                     if getattr(self, f"vtc_{k}") is not None}
         if vtc_given and not (self.scheduling_policy == "vtc"
-                              or (self.scheduling_policy == "sla" and self.sla_tenant_fairness)):
-            raise ValueError(f"{', '.join(vtc_given)} {'applies' if len(vtc_given) == 1 else 'apply'} only to "
-                             "scheduling_policy 'vtc', or 'sla' with "
-                             f"sla_tenant_fairness, not {self.scheduling_policy!r}"
+                              or (self.scheduling_policy == "sla" and sla_given.get("tenant_fairness"))):
+            raise ValueError(f"{', '.join(f'vtc_{k}' for k in vtc_given)} "
+                             f"{'applies' if len(vtc_given) == 1 else 'apply'} only to scheduling_policy 'vtc', "
+                             f"or 'sla' with sla_tenant_fairness, not {self.scheduling_policy!r}"
                              + (" without it" if self.scheduling_policy == "sla" else ""))
         if self.scheduling_policy not in ("sla", "vtc"):
             return None
-        vtc = VTCConfig(input_weight=self.vtc_input_weight, output_weight=self.vtc_output_weight,
-                        tenant_weights=parse_tenant_weights(self.vtc_tenant_weights))
+        if "tenant_weights" in vtc_given:
+            vtc_given["tenant_weights"] = parse_tenant_weights(vtc_given["tenant_weights"])
+        vtc = VTCConfig(**vtc_given)
         if self.scheduling_policy == "vtc":
             return vtc
-        knobs = {k: getattr(self, f"sla_{k}") for k in sla_knobs}
-        return SLAConfig(**knobs, num_priority_classes=self.num_priority_classes, vtc=vtc)
+        return SLAConfig(**sla_given, num_priority_classes=self.num_priority_classes, vtc=vtc)
 
     def num_host_blocks(self, kv_block_bytes: int) -> int:
         """Blocks of `kv_block_bytes` that swap_space holds (the engine's and the simulator's)."""

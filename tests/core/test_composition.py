@@ -174,6 +174,22 @@ def test_an_admission_order_that_would_do_nothing_is_refused(kwargs, message):
         EngineArgs(**kwargs)._scheduler_and_cache_configs(None, 0)
 
 
+DEFAULT_BOUNDS = {"admission_max_wait": CompositionConfig().max_wait, "admission_window": CompositionConfig().window}
+
+
+@pytest.mark.parametrize("arg", sorted(DEFAULT_BOUNDS))
+def test_a_bound_given_at_its_default_is_refused_with_the_policy_order(arg):
+    """Given is given, whatever the value (the default's was accepted once, any other refused)."""
+    with pytest.raises(ValueError, match=rf"^{arg} applies only to an admission_order other than 'policy'$"):
+        EngineArgs(**{arg: DEFAULT_BOUNDS[arg]})
+    with pytest.raises(ValueError, match=r"^admission_max_wait, admission_window apply only"):
+        EngineArgs(admission_order="policy", **DEFAULT_BOUNDS)
+    args = EngineArgs(admission_order="cache-aware", **{arg: DEFAULT_BOUNDS[arg]})
+    _, sched = args._scheduler_and_cache_configs(None, 0)
+    assert sched.composition == CompositionConfig("cache-aware")
+    assert EngineArgs()._scheduler_and_cache_configs(None, 0)[1].composition == CompositionConfig()
+
+
 @pytest.mark.parametrize("given", ["cache-aware,sampling-grouped", " cache-aware , sampling-grouped",
                                    ("cache-aware", "sampling-grouped"), ["cache-aware", "sampling-grouped"]])
 def test_a_combination_is_given_as_names_joined_by_commas_or_a_tuple_or_list(given):

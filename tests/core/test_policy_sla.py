@@ -3,6 +3,7 @@ the wait bound, hysteresis and protection, deadline shedding, and no starvation 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -15,7 +16,7 @@ from tokenweir.config import EngineArgs
 from tokenweir.core.batch_control import StepObservation
 from tokenweir.core.cost_model import StepComposition
 from tokenweir.core.policies import SLAConfig, SLAPolicy, ServedRequest, VTCConfig, priority_class
-from tokenweir.core.policies.sla_score import sigmoid, urgency
+from tokenweir.core.policies.sla_score import UNMEETABLE_MARGIN, sigmoid, urgency
 from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
 
 
@@ -501,11 +502,15 @@ def test_engine_args_carry_every_knob_into_the_policy_config():
     assert (cfg.base_weight, cfg.max_wait, cfg.max_preemptions, cfg.drop_expired, cfg.tenant_fairness,
             cfg.num_priority_classes) == (3.0, 7.5, 1, True, True, 2)
     assert cfg.vtc == VTCConfig(output_weight=4.0, tenant_weights={"gold": 3.0})
-    # Every SLAConfig knob has its engine arg, with the same default.
+    # Every SLAConfig knob has its engine arg, None until given (so that one given at the
+    # default's value is told from one not given), whose help shows SLAConfig's default.
     defaults = SLAConfig()
+    helps = {f.name: f.metadata["help"] for f in dataclasses.fields(EngineArgs)}
     for name in vars(defaults):
         if name not in ("vtc", "num_priority_classes"):
-            assert getattr(EngineArgs(), f"sla_{name}") == getattr(defaults, name)
+            assert getattr(EngineArgs(), f"sla_{name}") is None, name
+            shown = UNMEETABLE_MARGIN if name == "unmeetable_margin" else getattr(defaults, name)
+            assert helps[f"sla_{name}"].endswith(f"(default {shown})"), name
 
 
 @pytest.mark.parametrize("knobs, message", [

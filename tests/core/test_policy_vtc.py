@@ -3,6 +3,7 @@ lift rule on a scripted scenario, the fair-share bound against FCFS, weights, no
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -234,6 +235,57 @@ def test_vtc_and_load_knobs_that_would_do_nothing_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         EngineArgs(**kwargs).create_engine_configs(2048, 64)
     EngineArgs(scheduling_policy="sla", sla_tenant_fairness=True, vtc_tenant_weights="a=2").create_engine_configs(2048, 64)
+
+
+def _sla_defaults() -> dict:
+    """sla_<knob>: SLAConfig's default, for every sla knob whose default is a value (not None)."""
+    from tokenweir.core.policies import SLAConfig
+
+    return {f"sla_{f.name}": getattr(SLAConfig(), f.name) for f in dataclasses.fields(SLAConfig)
+            if f.name not in ("num_priority_classes", "vtc") and getattr(SLAConfig(), f.name) is not None}
+
+
+VTC_DEFAULTS = {"vtc_input_weight": VTCConfig().input_weight, "vtc_output_weight": VTCConfig().output_weight}
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "vtc"])
+@pytest.mark.parametrize("arg", sorted(_sla_defaults()))
+def test_an_sla_knob_given_at_its_default_is_refused_with_another_policy(policy, arg):
+    """Given is given, whatever the value: the default's value would do nothing there too (it was
+    accepted once, as equal to the default, while any other value was refused)."""
+    from tokenweir.config import EngineArgs
+
+    with pytest.raises(ValueError, match=rf"^{arg} only apply to scheduling_policy 'sla', not '{policy}'$"):
+        EngineArgs(scheduling_policy=policy, **{arg: _sla_defaults()[arg]})
+
+
+@pytest.mark.parametrize("kwargs, tail", [
+    (dict(scheduling_policy="fcfs"), "not 'fcfs'"),
+    (dict(scheduling_policy="priority"), "not 'priority'"),
+    (dict(scheduling_policy="sla"), "not 'sla' without it"),
+    (dict(scheduling_policy="sla", sla_tenant_fairness=False), "not 'sla' without it"),
+])
+@pytest.mark.parametrize("arg", sorted(VTC_DEFAULTS))
+def test_a_vtc_knob_given_at_its_default_is_refused_without_vtc(kwargs, tail, arg):
+    from tokenweir.config import EngineArgs
+
+    with pytest.raises(ValueError, match=rf"^{arg} applies only to scheduling_policy 'vtc', or 'sla' with "
+                                         rf"sla_tenant_fairness, {tail}$"):
+        EngineArgs(**kwargs, **{arg: VTC_DEFAULTS[arg]})
+
+
+def test_knobs_given_at_their_defaults_with_their_policy_yield_the_default_configs():
+    from tokenweir.config import EngineArgs
+    from tokenweir.core.policies import SLAConfig
+
+    def policy_config(**kwargs):
+        return EngineArgs(**kwargs).create_engine_configs(2048, 64)[1].policy_config
+
+    assert policy_config(scheduling_policy="sla", **_sla_defaults()) == SLAConfig()
+    assert policy_config(scheduling_policy="sla") == SLAConfig()
+    assert policy_config(scheduling_policy="vtc", **VTC_DEFAULTS) == VTCConfig() == policy_config(scheduling_policy="vtc")
+    assert (policy_config(scheduling_policy="sla", sla_tenant_fairness=True, **VTC_DEFAULTS)
+            == SLAConfig(tenant_fairness=True))
 
 
 def test_served_idle_tenants_are_pruned_too_and_the_floor_survives_it():

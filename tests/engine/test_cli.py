@@ -52,16 +52,20 @@ def test_every_engine_field_is_a_flag_with_its_help(command):
 
     from tokenweir.config import EngineArgs
 
+    import typing
+
     sub = build_parser()._subparsers._group_actions[0].choices[command]
     actions = {option: action for action in sub._actions for option in action.option_strings}
     defaults = EngineArgs()
+    hints = typing.get_type_hints(EngineArgs)
     for f in dataclasses.fields(EngineArgs):
         flag = "--" + f.name.replace("_", "-")
         assert flag in actions, flag
         assert f.metadata.get("help") and actions[flag].help == f.metadata["help"], flag
         assert actions[flag].default == getattr(defaults, f.name)
-        if isinstance(getattr(defaults, f.name), bool):  # vLLM's switches: --enable-x / --no-enable-x
-            assert "--no-" + flag[2:] in actions[flag].option_strings
+        # vLLM's switches: --enable-x / --no-enable-x (those None until given too, as --sla-drop-expired)
+        if bool in (hints[f.name], *typing.get_args(hints[f.name])):
+            assert "--no-" + flag[2:] in actions[flag].option_strings, flag
     assert "--max-model-len" in sub.format_help() and "--no-enable-prefix-caching" in sub.format_help()
 
 
@@ -103,3 +107,58 @@ def test_a_bad_logging_level_is_a_clear_error(tiny_model_dir):
     assert result.returncode == 2 and result.stderr.strip() == (
         "tokenweir: error: TOKENWEIR_LOGGING_LEVEL must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL, "
         "got 'LOUD'")
+
+
+# A knob given at its default's value where it does nothing is refused as any other value is,
+# by every command that takes engine flags. Each command line would fail fast on something
+# else, after the engine args, were the knob accepted (a missing model, keys file, profile).
+COMMANDS = {"generate": ["generate", "hi", "--model", "/no/such/model"],
+            "serve": ["serve", "--api-keys-file", "/no/such/keys"],
+            "simulate": ["simulate", "--profile", "/no/such/profile.json"]}
+KNOBS_AT_DEFAULT = [
+    (["--scheduling-policy", "fcfs", "--sla-base-weight", "10"],
+     "sla_base_weight only apply to scheduling_policy 'sla', not 'fcfs'"),
+    (["--scheduling-policy", "vtc", "--no-sla-drop-expired"],
+     "sla_drop_expired only apply to scheduling_policy 'sla', not 'vtc'"),
+    (["--scheduling-policy", "fcfs", "--vtc-output-weight", "2"],
+     "vtc_output_weight applies only to scheduling_policy 'vtc', or 'sla' with sla_tenant_fairness, not 'fcfs'"),
+    (["--scheduling-policy", "sla", "--no-sla-tenant-fairness", "--vtc-input-weight", "1"],
+     "vtc_input_weight applies only to scheduling_policy 'vtc', or 'sla' with sla_tenant_fairness, not 'sla' "
+     "without it"),
+    (["--admission-max-wait", "30"], "admission_max_wait applies only to an admission_order other than 'policy'"),
+    (["--admission-order", "policy", "--admission-window", "32"],
+     "admission_window applies only to an admission_order other than 'policy'"),
+]
+
+
+@pytest.mark.parametrize("flags, message", KNOBS_AT_DEFAULT)
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_knob_given_at_its_default_where_it_does_nothing_is_a_one_line_error(command, flags, message, capsys):
+    from tokenweir.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main([*COMMANDS[command], *flags])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"tokenweir: error: {message}"
+
+
+def test_knobs_given_at_their_defaults_with_their_policy_are_kept_and_yield_the_defaults():
+    from tokenweir.cli import engine_argv
+    from tokenweir.core.composition import CompositionConfig
+    from tokenweir.core.policies import SLAConfig, VTCConfig
+
+    def parsed(*flags: str):
+        return engine_args_from(build_parser().parse_args(["serve", *flags]))
+
+    def configs(args):
+        return args.create_engine_configs(2048, 64)[1]
+
+    sla = parsed("--scheduling-policy", "sla", "--sla-base-weight", "10", "--no-sla-drop-expired")
+    assert configs(sla).policy_config == SLAConfig() == configs(parsed("--scheduling-policy", "sla")).policy_config
+    # Passed on as given (serve's engine process, profile's servers), so refused there alike.
+    assert engine_argv(sla) == ["--scheduling-policy", "sla", "--sla-base-weight", "10.0", "--no-sla-drop-expired"]
+    assert parsed(*engine_argv(sla)) == sla
+    vtc = parsed("--scheduling-policy", "vtc", "--vtc-input-weight", "1", "--vtc-output-weight", "2")
+    assert configs(vtc).policy_config == VTCConfig()
+    order = parsed("--admission-order", "cache-aware", "--admission-max-wait", "30", "--admission-window", "32")
+    assert configs(order).composition == CompositionConfig("cache-aware")

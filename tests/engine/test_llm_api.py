@@ -123,6 +123,14 @@ def test_bad_sampling_params_and_engine_args(make_llm, tiny_model_dir):
         SamplingParams(top_p=0)
     with pytest.raises(ValueError, match="unknown engine arguments: \\['max_num_sequences'\\]"):
         make_llm(tiny_model_dir("llama"), max_num_sequences=4)
+    # A knob given where it does nothing is refused at its default's value too, as any other.
+    for knobs, message in ((dict(scheduling_policy="fcfs", sla_base_weight=10.0),
+                            r"^sla_base_weight only apply to scheduling_policy 'sla', not 'fcfs'$"),
+                           (dict(scheduling_policy="priority", vtc_input_weight=1.0),
+                            r"^vtc_input_weight applies only to scheduling_policy 'vtc'"),
+                           (dict(admission_window=32), r"^admission_window applies only to an admission_order")):
+        with pytest.raises(ValueError, match=message):
+            make_llm(tiny_model_dir("llama"), **knobs, **KV)
     llm = make_llm(tiny_model_dir("llama"), **KV)
     with pytest.raises(ValueError, match="got 1 SamplingParams for 2 prompts"):
         llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
