@@ -408,9 +408,12 @@ class Scheduler:
         passed_over: list[Request] = []
         lookahead = self.policy.admission_lookahead()
         while self.waiting and step.budget > 0:
+            batch_full = len(self.running) >= limits.max_num_seqs
+            if batch_full and not self.policy.head_may_preempt(self.waiting, now):
+                break  # it could only preempt, and the policy shows it cannot
             # Off the queue while deciding: a victim preempted to make room for it goes back to
             # the queue's front, and must not be mistaken for it.
-            request = self.admission_order.pop(len(self.running) >= limits.max_num_seqs)
+            request = self.admission_order.pop(batch_full)
             if not self._swapped_before(request, step) and self._try_admit(request, step, now):
                 continue
             passed_over.append(request)

@@ -120,6 +120,13 @@ class SchedulingPolicy(ABC):
         """Whether `waiting` may take the place of the running `victim`."""
         return False
 
+    def head_may_preempt(self, waiting: RequestQueue, now: float) -> bool:
+        """With every sequence slot taken (so the next waiting request gets in only by
+        preempting a running one), whether it might: False lets the scheduler end the step's
+        admissions without taking it off the queue. Only a proof may say False; by default
+        it is tried (True)."""
+        return True
+
     def admission_lookahead(self) -> int:
         """How many waiting requests admission may pass over, in one step, when the one whose
         turn it is cannot be admitted now (it stays first in line). 0 keeps strict order:

@@ -286,10 +286,8 @@ class SLAPolicy(SchedulingPolicy):
         every other: with 256 running, a step that admits nobody costs the policy O(classes)."""
         admitting = self._admitting
         if admitting is not None and not self._is_aged(admitting, now):
-            cfg = self.config
-            threshold = self.score(admitting, now) - cfg.preempt_margin + _BOUND_SLACK
-            floor = min(map(operator.add, self._key_floor, self.fairness)) + cfg.aging_rate * now
-            if floor >= threshold:
+            threshold = self._preempt_threshold(admitting, now)
+            if self._running_floor(now) >= threshold:
                 return running[0]
             # The scheduler's first call for an admission passes all running requests, later
             # ones what is left once victims are chosen (who stay running if room is not made).
@@ -300,6 +298,25 @@ class SLAPolicy(SchedulingPolicy):
             if bound >= threshold:
                 return victim
         return self._exact_victim(running, now)
+
+    def head_may_preempt(self, waiting: RequestQueue, now: float) -> bool:
+        """No, if even the per-class key floor of the running requests (select_victim's first
+        bound) is not below the next request's score less the margin: then select_victim would
+        return a request may_preempt refuses. Found without taking it off the queue, so a full
+        batch costs a step the queue's walk only, not the pop, the victim search and the put
+        back (with tenant fairness, a provisional charge taken back too)."""
+        assert isinstance(waiting, SLAQueue), "the waiting queue must be one this policy made"
+        request = waiting.peek()
+        return self._is_aged(request, now) or self._running_floor(now) < self._preempt_threshold(request, now)
+
+    def _preempt_threshold(self, request: Request, now: float) -> float:
+        """A running request scoring at least this is not displaced by waiting `request` (not aged)."""
+        return self.score(request, now) - self.config.preempt_margin + _BOUND_SLACK
+
+    def _running_floor(self, now: float) -> float:
+        """At most the score of every preemptible running request: the per-class key floor plus
+        the class's compensation and the common aging term (urgency only adds)."""
+        return min(map(operator.add, self._key_floor, self.fairness)) + self.config.aging_rate * now
 
     def _exact_victim(self, running: Sequence[Request], now: float) -> Request:
         """select_victim by every running request's score; while a request is being admitted,

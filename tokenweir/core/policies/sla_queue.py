@@ -333,6 +333,10 @@ class SLAQueue(RequestQueue):
             self.counters.charge_admission(request)
         return request
 
+    def peek(self) -> Request:
+        """The request pop() would return next, left in the queue."""
+        return self._aged[0] if self._aged else self.best()[1].request
+
     def remove(self, request: Request) -> None:
         entry = self._entries.get(request.request_id)
         if entry is not None and entry.request is request:
