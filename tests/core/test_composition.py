@@ -45,6 +45,23 @@ def first_admitted(s, runner, now: float) -> str:
     return out.scheduled_new_reqs[0].request_id
 
 
+@pytest.mark.parametrize("order", ["cache-aware", "length-aware", "cache-aware,length-aware"])
+def test_an_order_keeps_nothing_of_the_requests_that_left_the_queue(order):
+    # Its memo of cached prefixes held every request it ever matched until 65,536 of them, so
+    # requests long finished stayed alive (their token lists too), freed in bulk.
+    s = scheduler(order, max_num_batched_tokens=32, max_num_seqs=2, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    for i in range(40):
+        s.add_request(make_request(f"r{i}", PREFIX[:4 * (i % 4 + 1)] + [900 + i, 901 + i], max_tokens=2))
+    now = 0.0
+    while s.has_unfinished_requests():
+        step(s, runner, now)
+        assert len(s.admission_order.matcher._memo) <= len(s.waiting)
+        now += 1.0
+    assert not s.admission_order.matcher._memo
+    assert_no_leaks(s)
+
+
 @pytest.mark.parametrize("order, expected", [("policy", "miss"), ("cache-aware", "hit")])
 def test_cache_aware_admits_the_longest_cached_prefix_first(order, expected):
     s = scheduler(order, max_num_seqs=1)

@@ -149,9 +149,10 @@ class BandOrder(AdmissionOrder):
     goes first."""
 
     def __init__(self, config: CompositionConfig, kv_cache_manager: KVCacheManager, waiting: RequestQueue,
-                 keys: Sequence[OrderKey]) -> None:
+                 keys: Sequence[OrderKey], matcher: _PrefixMatcher) -> None:
         super().__init__(config, kv_cache_manager, waiting)
         self.keys = tuple(keys)
+        self.matcher = matcher
 
     def begin_step(self, now: float, running: Sequence[Request]) -> None:
         super().begin_step(now, running)
@@ -162,11 +163,13 @@ class BandOrder(AdmissionOrder):
         waiting = self.waiting
         band = () if batch_full else waiting.band(self.config.window)
         if not band:  # a full batch, or a queue without bands
-            return waiting.pop()
-        chosen = band[0] if len(band) == 1 else self._aged(band) or self.choose(band)
-        waiting.take(chosen)
-        for key in self.keys:
-            key.chosen(chosen)
+            chosen = waiting.pop()
+        else:
+            chosen = band[0] if len(band) == 1 else self._aged(band) or self.choose(band)
+            waiting.take(chosen)
+            for key in self.keys:
+                key.chosen(chosen)
+        self.matcher.forget(chosen)
         return chosen
 
     def may_preempt(self, request: Request, victim: Request) -> bool:
@@ -207,6 +210,14 @@ class _PrefixMatcher:
         # id -> (request, its preemptions (its tokens change only then), hit blocks, blocks that could hit)
         self._memo: dict[str, tuple[Request, int, int, int]] = {}
 
+    def forget(self, request: Request) -> None:
+        """`request` left the queue to be admitted: its entry goes now. Kept, admitted and
+        finished requests would stay alive in the memo (their token lists too) until it is
+        cleared, and be freed in bulk, which CPython's collector counts against nothing, so
+        it runs collections it need not (see _Item in policies/sla_queue.py). One put back is
+        matched afresh, once."""
+        self._memo.pop(request.request_id, None)
+
     def match(self, request: Request) -> tuple[int, int]:
         """(cached blocks, blocks that could hit) of the request's tokens."""
         memo = self._memo.get(request.request_id)
@@ -218,7 +229,7 @@ class _PrefixMatcher:
         _, num_tokens = self.kv.get_computed_blocks(request)
         n = num_tokens // self.kv.block_size
         most = (request.num_tokens - 1) // self.kv.block_size if self.kv.enable_caching else 0
-        if len(self._memo) > 65536:  # admitted and finished requests' entries, now and then
+        if len(self._memo) > 65536:  # aborted requests' entries (they never leave by forget), now and then
             self._memo.clear()
         self._memo[request.request_id] = (request, request.num_preemptions, n, most)
         return n, most
@@ -302,4 +313,4 @@ def create_admission_order(config: CompositionConfig, kv_cache_manager: KVCacheM
     matcher = _PrefixMatcher(kv_cache_manager)  # one memo for the orders that read cached prefixes
     keys = {"cache-aware": lambda: CacheAwareKey(matcher), "length-aware": lambda: LengthAwareKey(matcher),
             "sampling-grouped": SamplingGroupedKey}
-    return BandOrder(config, kv_cache_manager, waiting, [keys[name]() for name in config.orders])
+    return BandOrder(config, kv_cache_manager, waiting, [keys[name]() for name in config.orders], matcher)
