@@ -63,6 +63,12 @@ async def collect(engine, request_id, prompt, params=GREEDY):
     return [out async for out in engine.generate(request_id, prompt, params)]
 
 
+def test_the_engine_process_freezes_its_startup_heap(clean):
+    # Its model, tokenizer and imported libraries live until it exits: out of every later full
+    # collection's walk (gc_heap.py). Torch and transformers alone are far more than this.
+    assert clean.gc_frozen_objects > 50_000
+
+
 def test_streams_match_transformers_greedy_under_concurrency(clean, tiny_model_dir):
     assert isinstance(clean, EngineClient)
     assert clean.model_info == ModelInfo(MODEL, MAX_MODEL_LEN, 256)

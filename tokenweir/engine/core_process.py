@@ -36,6 +36,7 @@ from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine.async_engine import STATS_LOG_INTERVAL_S, AsyncLLMEngine
 from tokenweir.engine.client import EngineDeadError, ModelInfo
 from tokenweir.engine.core_loop import Command, CommandSource, CoreLoop, ShutdownCommand
+from tokenweir.engine.gc_heap import freeze_startup_heap
 from tokenweir.engine.output import RequestOutput
 from tokenweir.engine.output_delta import OutputDelta, OutputDeltaDecoder, OutputDeltaEncoder
 
@@ -49,6 +50,7 @@ class EngineInfo:
     tokenizer: Any
     max_num_batched_tokens: int
     stats: SchedulerStats
+    gc_frozen_objects: int  # its startup heap, frozen (gc_heap.py)
 
 
 @dataclass
@@ -133,8 +135,9 @@ def run_engine_process(args: EngineArgs, step_trace_path: Optional[str], idle_wa
     step_trace = StepTrace(step_trace_path) if step_trace_path else None
     if step_trace is not None:
         step_trace.write_header(core.describe())
+    frozen = freeze_startup_heap()  # this process holds its one engine until it exits
     events.send(EngineInfo(ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size),
-                           core.tokenizer, core.scheduler_config.max_num_batched_tokens, core.get_stats()))
+                           core.tokenizer, core.scheduler_config.max_num_batched_tokens, core.get_stats(), frozen))
     sink = _ShippingSink(events)
     loop = CoreLoop(core, sink, step_trace, flush=sink.flush)
     reason: Optional[str] = None
@@ -187,6 +190,7 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
             if info.error is not None:
                 raise info.error
             raise RuntimeError(f"the engine process did not start: {info.reason}")
+        self.gc_frozen_objects = info.gc_frozen_objects
         self._deltas = OutputDeltaDecoder()  # the reader thread's
         self._init_front(info.model_info, info.tokenizer, args, info.max_num_batched_tokens, info.stats,
                          log_stats, stats_interval_s, time.monotonic)

@@ -96,6 +96,7 @@ def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
     """`tokenweir serve`: load the model, then serve until interrupted."""
     from tokenweir.engine.async_engine import AsyncLLMEngine
     from tokenweir.engine.core_process import MPAsyncLLMEngine
+    from tokenweir.engine.gc_heap import freeze_startup_heap
     from tokenweir.engine.step_trace import StepTrace
 
     api_keys = load_api_keys(ns.api_keys_file) if ns.api_keys_file is not None else None  # before the load
@@ -106,6 +107,7 @@ def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
         engine = AsyncLLMEngine.from_engine_args(engine_args, step_trace)
         if step_trace is not None:
             step_trace.write_header(engine.core.describe())
+        freeze_startup_heap()  # this process holds its one engine until it exits
     else:  # the engine process writes the step trace itself
         engine = MPAsyncLLMEngine(engine_args, step_trace_path=ns.step_trace)
     try:
