@@ -36,6 +36,7 @@ in t1 (it errs towards refusing).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -54,6 +55,11 @@ class _Protectable:
     """The running requests with a TTFT or TPOT SLO, by priority class, as the step fills."""
 
     by_class: list[list[Request]]
+    # Per class, the earliest time by which a chunk's step must end for none of them to be
+    # refused for: a request waiting for its first token, its TTFT due time; one decoding, the
+    # time its next token keeps its mean TPOT (first token + tpot_slo x tokens so far). A step
+    # predicted to end by then refuses nobody, without a look at each.
+    earliest_by_class: list[float]
     counted: int = 0  # running[:counted] are sorted in
     last: Optional[Request] = None  # running[counted - 1] when counted: a victim's removal moves it
     min_class: int = 1 << 31  # the most important class among them
@@ -90,8 +96,8 @@ class SLOGuard:
         n = self.num_classes
         if (view is None or len(running) < view.counted
                 or (view.counted and running[view.counted - 1] is not view.last)):
-            view = self._view = _Protectable([[] for _ in range(n)])
-        by_class, min_class = view.by_class, view.min_class
+            view = self._view = _Protectable([[] for _ in range(n)], [math.inf] * n)
+        by_class, earliest, min_class = view.by_class, view.earliest_by_class, view.min_class
         for r in running[view.counted:]:  # every running request once per step: kept lean
             h = r.hints
             if h.ttft_slo is not None or h.tpot_slo is not None:
@@ -100,6 +106,14 @@ class SLOGuard:
                 by_class[cls].append(r)
                 if cls < min_class:
                     min_class = cls
+                first = r.first_token_time
+                if first is None:
+                    if h.ttft_slo is not None and r.arrival_time + h.ttft_slo < earliest[cls]:
+                        earliest[cls] = r.arrival_time + h.ttft_slo
+                elif h.tpot_slo is not None:
+                    due = first + h.tpot_slo * len(r.output_token_ids)
+                    if due < earliest[cls]:
+                        earliest[cls] = due
         view.min_class = min_class
         view.counted = len(running)
         view.last = running[-1] if running else None
@@ -119,6 +133,8 @@ class SLOGuard:
         t0 = predict(before)
         t1 = predict(before + chunk_composition(num_new_tokens, num_computed_tokens, request.num_tokens,
                                                 request.num_prompt_tokens))
+        if now + t1 <= min(view.earliest_by_class[view.min_class:cls]):
+            return True  # the step ends in time for every one of them (see _Protectable)
         t_dec: Optional[float] = None
         for r in (r for c in range(view.min_class, cls) for r in view.by_class[c]):
             h = r.hints
