@@ -440,7 +440,8 @@ class EngineArgs:
                  if getattr(self, arg) is not None}
         if self.batch_controller != "slo":
             if given:
-                raise ValueError(f"{', '.join(given)} only apply to batch_controller 'slo', "
+                raise ValueError(f"{', '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to "
+                                 "batch_controller 'slo', "
                                  f"not {self.batch_controller!r}")
             return None
         if self.target_tpot_ms is None:
@@ -480,7 +481,8 @@ class EngineArgs:
         sla_given = {k: getattr(self, f"sla_{k}") for k in (f.name for f in fields(SLAConfig))
                      if k not in ("num_priority_classes", "vtc") and getattr(self, f"sla_{k}") is not None}
         if self.scheduling_policy != "sla" and sla_given:
-            raise ValueError(f"{', '.join(f'sla_{k}' for k in sla_given)} only apply to scheduling_policy 'sla', "
+            raise ValueError(f"{', '.join(f'sla_{k}' for k in sla_given)} only "
+                             f"{'applies' if len(sla_given) == 1 else 'apply'} to scheduling_policy 'sla', "
                              f"not {self.scheduling_policy!r}")
         vtc_given = {k: getattr(self, f"vtc_{k}") for k in ("input_weight", "output_weight", "tenant_weights")
                      if getattr(self, f"vtc_{k}") is not None}

@@ -26,7 +26,7 @@ MODEL = cost_model(step=0.02, tokens=0.002, decode_context=1e-5)
 @pytest.mark.parametrize("kwargs, message", [
     (dict(batch_controller="slo"), "batch_controller 'slo' needs target_tpot_ms"),
     (dict(batch_controller="bogus"), r"batch_controller must be one of \['slo', 'static'\], got 'bogus'"),
-    (dict(target_tpot_ms=100), "target_tpot_ms only apply to batch_controller 'slo', not 'static'"),
+    (dict(target_tpot_ms=100), "target_tpot_ms only applies to batch_controller 'slo', not 'static'"),
     (dict(min_num_seqs=2, batch_control_window=5.0),
      "min_num_seqs, batch_control_window only apply to batch_controller 'slo'"),
     (dict(batch_controller="slo", target_tpot_ms=0), "batch control target_tpot_ms must be a number > 0, got 0"),

@@ -283,7 +283,7 @@ def test_slow_first_steps_do_not_get_a_request_that_can_finish_shed(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(scheduling_policy="fcfs", sla_drop_unmeetable=True), "sla_drop_unmeetable only apply to scheduling_policy 'sla'"),
+    (dict(scheduling_policy="fcfs", sla_drop_unmeetable=True), "sla_drop_unmeetable only applies to scheduling_policy 'sla'"),
     (dict(scheduling_policy="sla", sla_drop_unmeetable=True, sla_step_time_correction=False),
      "sla drop_unmeetable needs step times of this machine: give cost_profile"),
     (dict(scheduling_policy="sla", sla_drop_unmeetable=True, sla_unmeetable_margin=1.0),
@@ -291,7 +291,7 @@ def test_slow_first_steps_do_not_get_a_request_that_can_finish_shed(tmp_path):
     (dict(scheduling_policy="sla", sla_unmeetable_margin=0.5), r"sla unmeetable_margin \(0.5\) applies only with drop_unmeetable"),
     # The default's value too: given, it is a margin without the flag.
     (dict(scheduling_policy="sla", sla_unmeetable_margin=0.8), r"sla unmeetable_margin \(0.8\) applies only with drop_unmeetable"),
-    (dict(scheduling_policy="fcfs", sla_unmeetable_margin=0.8), "sla_unmeetable_margin only apply to scheduling_policy 'sla'"),
+    (dict(scheduling_policy="fcfs", sla_unmeetable_margin=0.8), "sla_unmeetable_margin only applies to scheduling_policy 'sla'"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

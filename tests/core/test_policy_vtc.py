@@ -227,7 +227,7 @@ def test_swapped_requests_come_back_when_the_tenant_furthest_behind_has_none_swa
      r"vtc_input_weight, vtc_tenant_weights apply only to .* not 'sla' without it$"),
     (dict(scheduling_policy="vtc", vtc_tenant_weights="a=2,a=3"), r"tenant 'a' is given twice"),
     (dict(scheduling_policy="sla", sla_load_threshold=5.0), r"sla load_threshold must be in \[0, 1\]"),
-    (dict(scheduling_policy="fcfs", sla_kv_load_weight=0.5), r"^sla_kv_load_weight only apply to scheduling_policy 'sla'"),
+    (dict(scheduling_policy="fcfs", sla_kv_load_weight=0.5), r"^sla_kv_load_weight only applies to scheduling_policy 'sla'"),
 ])
 def test_vtc_and_load_knobs_that_would_do_nothing_are_refused(kwargs, message):
     from tokenweir.config import EngineArgs
@@ -255,7 +255,7 @@ def test_an_sla_knob_given_at_its_default_is_refused_with_another_policy(policy,
     accepted once, as equal to the default, while any other value was refused)."""
     from tokenweir.config import EngineArgs
 
-    with pytest.raises(ValueError, match=rf"^{arg} only apply to scheduling_policy 'sla', not '{policy}'$"):
+    with pytest.raises(ValueError, match=rf"^{arg} only applies to scheduling_policy 'sla', not '{policy}'$"):
         EngineArgs(scheduling_policy=policy, **{arg: _sla_defaults()[arg]})
 
 

@@ -117,9 +117,9 @@ COMMANDS = {"generate": ["generate", "hi", "--model", "/no/such/model"],
             "simulate": ["simulate", "--profile", "/no/such/profile.json"]}
 KNOBS_AT_DEFAULT = [
     (["--scheduling-policy", "fcfs", "--sla-base-weight", "10"],
-     "sla_base_weight only apply to scheduling_policy 'sla', not 'fcfs'"),
+     "sla_base_weight only applies to scheduling_policy 'sla', not 'fcfs'"),
     (["--scheduling-policy", "vtc", "--no-sla-drop-expired"],
-     "sla_drop_expired only apply to scheduling_policy 'sla', not 'vtc'"),
+     "sla_drop_expired only applies to scheduling_policy 'sla', not 'vtc'"),
     (["--scheduling-policy", "fcfs", "--vtc-output-weight", "2"],
      "vtc_output_weight applies only to scheduling_policy 'vtc', or 'sla' with sla_tenant_fairness, not 'fcfs'"),
     (["--scheduling-policy", "sla", "--no-sla-tenant-fairness", "--vtc-input-weight", "1"],

@@ -125,7 +125,7 @@ def test_bad_sampling_params_and_engine_args(make_llm, tiny_model_dir):
         make_llm(tiny_model_dir("llama"), max_num_sequences=4)
     # A knob given where it does nothing is refused at its default's value too, as any other.
     for knobs, message in ((dict(scheduling_policy="fcfs", sla_base_weight=10.0),
-                            r"^sla_base_weight only apply to scheduling_policy 'sla', not 'fcfs'$"),
+                            r"^sla_base_weight only applies to scheduling_policy 'sla', not 'fcfs'$"),
                            (dict(scheduling_policy="priority", vtc_input_weight=1.0),
                             r"^vtc_input_weight applies only to scheduling_policy 'vtc'"),
                            (dict(admission_window=32), r"^admission_window applies only to an admission_order")):
