@@ -62,6 +62,23 @@ def test_an_order_keeps_nothing_of_the_requests_that_left_the_queue(order):
     assert_no_leaks(s)
 
 
+@pytest.mark.parametrize("order", ["cache-aware", "length-aware"])
+def test_an_aborted_waiting_request_is_not_kept_alive_by_the_memo(order):
+    s = scheduler(order, max_num_batched_tokens=32, max_num_seqs=2, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    for i in range(12):
+        s.add_request(make_request(f"r{i}", PREFIX[:4 * (i % 4 + 1)] + [900 + i, 901 + i], max_tokens=4))
+    step(s, runner, 0.0)
+    step(s, runner, 1.0)  # the waiting ones matched (the band's window covers them)
+    waiting = [r.request_id for r in s.waiting]
+    assert waiting
+    s.abort_requests(waiting, now=2.0)
+    # A client that gave up on queued requests (timeouts under overload) left each in the memo,
+    # token lists and all, until 65,536 accumulated and were freed in bulk.
+    assert len(s.admission_order.matcher._memo) <= len(s.waiting)
+    assert not [rid for rid, (r, *_) in s.admission_order.matcher._memo.items() if r.is_finished]
+
+
 @pytest.mark.parametrize("order, expected", [("policy", "miss"), ("cache-aware", "hit")])
 def test_cache_aware_admits_the_longest_cached_prefix_first(order, expected):
     s = scheduler(order, max_num_seqs=1)

@@ -272,47 +272,6 @@ def test_no_request_waits_past_the_bound_behind_younger_ones_and_none_starves(ar
     assert_no_leaks(s)
 
 
-class _AlwaysTriesTheHead(SLAPolicy):
-    """sla as it was before head_may_preempt: a full batch always pops its next request to try it."""
-
-    def head_may_preempt(self, waiting, now: float) -> bool:
-        return True
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arrivals=_backlog, max_wait=st.sampled_from([2.0, 50.0]), tenant_fairness=st.booleans(),
-       preempt_margin=st.sampled_from([0.0, 1.5]), num_blocks=st.integers(10, 30))
-def test_a_full_batch_that_skips_the_head_schedules_every_step_as_trying_it(arrivals, max_wait, tenant_fairness,
-                                                                            preempt_margin, num_blocks):
-    """head_may_preempt only says no where popping the next request would preempt nobody:
-    random backlogs on 3 slots (preemptions by score, by age, for KV growth) schedule, preempt
-    and finish alike, step by step, with the check and with every head popped and tried."""
-    cfg = SLAConfig(max_wait=max_wait, tenant_fairness=tenant_fairness, preempt_margin=preempt_margin)
-    runs = []
-    for policy in (SLAPolicy(cfg), _AlwaysTriesTheHead(cfg)):
-        s = create_scheduler(policy=policy, max_num_batched_tokens=16, max_num_seqs=3, num_blocks=num_blocks)
-        runner = PagedFakeRunner(s.block_size)
-        # Apart by a microsecond each, so that no two scores tie: a request put back takes a new
-        # place among equals, one left in the queue keeps its own.
-        requests = [_req(f"r{i}", prompt_len, max_tokens, arrival=at + i * 1e-6, priority=priority,
-                         ttft_slo=ttft, tenant=("a", "b")[i % 2])
-                    for i, (at, priority, prompt_len, max_tokens, ttft) in enumerate(sorted(arrivals,
-                                                                                            key=lambda a: a[0]))]
-        pending = list(requests)
-        trace = []
-        t = 0
-        while pending or s.has_unfinished_requests():
-            while pending and pending[0].arrival_time <= t:
-                s.add_request(pending.pop(0))
-            out = step(s, runner, now=float(t))
-            trace.append((out.num_scheduled_tokens, out.preempted_req_ids, s.num_preemptions))
-            t += 1
-            assert t < 5000, "no progress"
-        assert_no_leaks(s)
-        runs.append((trace, [(r.request_id, r.output_token_ids) for r in requests]))
-    assert runs[0] == runs[1]
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(arrivals=_backlog, max_wait=st.integers(1, 6), tenant_fairness=st.booleans(),
        preempt_margin=st.sampled_from([0.0, 1.5]))

@@ -379,3 +379,47 @@ def test_random_overload_sheds_only_requests_that_could_not_finish_in_time_even_
         assert r.is_finished
         if r.status_message is None:  # served to its end
             assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+
+
+@pytest.mark.parametrize("mode", ["drop_unmeetable", "drop_expired", "drop_unmeetable_corrected"])
+def test_a_reused_id_is_judged_by_its_own_deadline(tmp_path, mode):
+    policy = (_policy(tmp_path) if mode == "drop_unmeetable"
+              else _policy(tmp_path, step_time_correction=True) if mode == "drop_unmeetable_corrected"
+              else SLAPolicy(SLAConfig(drop_expired=True)))
+    s = create_scheduler(policy=policy, max_num_batched_tokens=64, max_num_seqs=1, num_blocks=64)
+    runner = PagedFakeRunner(s.block_size)
+    now = 0.0
+    # 1. "x" served to the end with a deadline far off.
+    x1 = _req("x", _tokens(8, 1000), deadline=100.0, arrival=now, max_tokens=2, ignore_eos=True)
+    s.add_request(x1)
+    while s.has_unfinished_requests():
+        _, now = _step(s, runner, now)
+    assert x1.status == RequestStatus.FINISHED_LENGTH
+    # 2. "x" again, waiting behind a long runner "b" (one slot), aborted while waiting.
+    b = _req("b", _tokens(8, 3000), deadline=None, arrival=now, max_tokens=200, ignore_eos=True, priority=0)
+    s.add_request(b)
+    _, now = _step(s, runner, now)
+    x2 = _req("x", _tokens(8, 5000), deadline=0.5, arrival=now, max_tokens=2, ignore_eos=True, priority=3)
+    s.add_request(x2)
+    _, now = _step(s, runner, now)
+    assert x2.status == RequestStatus.WAITING
+    s.abort_requests(["x"], now=now)
+    # 3. "x" a third time, waiting behind b with a short deadline: shed when it passes (at the latest).
+    x3 = _req("x", _tokens(8, 7000), deadline=0.3, arrival=now, max_tokens=2, ignore_eos=True, priority=3)
+    s.add_request(x3)
+    start = now
+    while x3.status == RequestStatus.WAITING and now < start + 5.0:
+        _, now = _step(s, runner, now)
+    assert x3.status == RequestStatus.FINISHED_ABORTED, x3.status
+    assert now <= start + 0.3 + 0.03  # within a step of its deadline
+    # 4. "x" a fourth time with room to finish: served, not shed.
+    s.abort_requests(["b"], now=now)
+    x4 = _req("x", _tokens(8, 9000), deadline=5.0, arrival=now, max_tokens=2, ignore_eos=True)
+    s.add_request(x4)
+    while s.has_unfinished_requests():
+        _, now = _step(s, runner, now)
+    assert x4.status == RequestStatus.FINISHED_LENGTH
+    for _ in range(3):
+        _, now = _step(s, runner, now + 10.0)
+    assert not policy._deadline_entries and not policy._unlooked
+    assert_no_leaks(s)

@@ -122,6 +122,10 @@ class AdmissionOrder:
         """The next waiting request to try to admit, taken off the queue."""
         return self.waiting.pop()
 
+    def forget(self, request: Request) -> None:
+        """`request` left the queue otherwise than by `pop` (aborted, shed): drop what the
+        order keeps of it."""
+
     def may_preempt(self, request: Request, victim: Request) -> bool:
         """Whether the order lets waiting `request` displace running `victim` (the policy must
         agree too)."""
@@ -169,8 +173,11 @@ class BandOrder(AdmissionOrder):
             waiting.take(chosen)
             for key in self.keys:
                 key.chosen(chosen)
-        self.matcher.forget(chosen)
+        self.forget(chosen)
         return chosen
+
+    def forget(self, request: Request) -> None:
+        self.matcher.forget(request)
 
     def may_preempt(self, request: Request, victim: Request) -> bool:
         # Within a band the order, not arrival, ranks: an earlier arrival preempting the request
@@ -211,11 +218,11 @@ class _PrefixMatcher:
         self._memo: dict[str, tuple[Request, int, int, int]] = {}
 
     def forget(self, request: Request) -> None:
-        """`request` left the queue to be admitted: its entry goes now. Kept, admitted and
-        finished requests would stay alive in the memo (their token lists too) until it is
-        cleared, and be freed in bulk, which CPython's collector counts against nothing, so
-        it runs collections it need not (see _Item in policies/sla_queue.py). One put back is
-        matched afresh, once."""
+        """`request` left the queue (popped to be admitted, aborted, shed): its entry goes
+        now, so the memo holds waiting requests only. Kept, finished requests would stay alive
+        in it (their token lists too) and be freed in bulk, which CPython's collector counts
+        against nothing, so it runs collections it need not (see _Item in
+        policies/sla_queue.py). One put back is matched afresh, once."""
         self._memo.pop(request.request_id, None)
 
     def match(self, request: Request) -> tuple[int, int]:
@@ -229,8 +236,6 @@ class _PrefixMatcher:
         _, num_tokens = self.kv.get_computed_blocks(request)
         n = num_tokens // self.kv.block_size
         most = (request.num_tokens - 1) // self.kv.block_size if self.kv.enable_caching else 0
-        if len(self._memo) > 65536:  # aborted requests' entries (they never leave by forget), now and then
-            self._memo.clear()
         self._memo[request.request_id] = (request, request.num_preemptions, n, most)
         return n, most
 

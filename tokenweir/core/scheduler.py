@@ -255,6 +255,7 @@ class Scheduler:
                 self.swapped.remove(request)
             else:
                 self.waiting.remove(request)
+                self.admission_order.forget(request)
             self._finish(request, status, now)
 
     def _finish(self, request: Request, status: RequestStatus, now: float) -> None:

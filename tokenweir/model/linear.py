@@ -8,7 +8,11 @@ as much as the multiply itself: packing the weight once at load makes decode-siz
 A single row is multiplied as two: oneDNN takes another kernel for one row than for two or more
 (measured: on the default model's weights the one-row result differs in the last bit, while
 2 to 700 rows agree), so without this a request's logits, and so its seeded samples, would
-depend on whether it decodes alone or in a batch. It costs a lone decode step ~3-6%.
+depend on whether it decodes alone or in a batch. It costs a lone decode step ~3-6%. That
+holds only where oneDNN computes every row of a batch alike: on an Intel Xeon with AMX (measured
+2026-12-02), rows past the 32nd of a 33- to 300-row batch differ in the last bit from the same
+row alone, so there bf16 seeded samples may depend on the batch (as in vLLM without its
+batch-invariant mode); fp32, the path checked against transformers, does not use oneDNN.
 
 oneDNN packs bf16 weights only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; elsewhere
 (an AMD EPYC without AVX-512 here) its reorder raises, so bf16 keeps `F.linear` there, found

@@ -262,10 +262,15 @@ class VirtualTokenCounters:
 
     def min_backlogged(self, among: Optional[Mapping[Tenant, object]] = None) -> Tenant:
         """The backlogged tenant with the smallest counter (ties: the earlier entry). With
-        `among`, only tenants in it count (a scan: used for the few tenants of one band)."""
+        `among`, only tenants in it count (a scan: used for the few tenants of one band; ties:
+        by name)."""
         if among is not None:
-            # A backlogged tenant always has a counter (add_waiting sets it, pruning spares it).
-            return min(among, key=self.counters.__getitem__)
+            # Ties by name (None first), not by `among`'s order: a queue may re-create a
+            # tenant's entry when it puts back a request it took, and moving the tenant to the
+            # end then must not change who wins a tie. (A backlogged tenant always has a
+            # counter: add_waiting sets it, pruning spares it.)
+            counters = self.counters
+            return min(among, key=lambda t: (counters[t], t is not None, t or ""))
         heap = self._heap
         while heap:
             value, _, tenant = heap[0]
