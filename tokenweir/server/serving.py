@@ -16,7 +16,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenweir.engine.client import EngineClient, EngineDeadError, OutputStream, RequestFailedError
-from tokenweir.engine.output import RequestOutput
 from tokenweir.server.admission import Admission, WaitingSlot
 from tokenweir.server.auth import KeyGrant, authenticated_grant
 from tokenweir.server.errors import APIError, bad_request, engine_error

@@ -86,14 +86,14 @@ def _split_late_bound(points: list[tuple[float, float, float]], oldest: float, l
     over the whole range at once each is loose in the other's place, where the best entry may
     be (a late backlog whose oldest and newest ends score alike)."""
     bound = -math.inf
-    due_a, f_a = oldest, f_oldest
+    f_a = f_oldest
     for due, f, u in points:
         if due <= oldest:
             continue
         if due >= latest:
             break
         bound = max(bound, min(top_shifted + max(f_a, f), top_key + u))
-        due_a, f_a = due, f
+        f_a = f
     return max(bound, min(top_shifted + max(f_a, f_latest), top_key + u_latest))
 
 
