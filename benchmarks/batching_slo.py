@@ -340,8 +340,9 @@ def real_configs(ns: argparse.Namespace, sim: dict, scale: float) -> tuple[dict[
         best = simulated[0]["best_static"]
         statics = [(best["max_num_batched_tokens"], best["max_num_seqs"])]
         source = f"best static of the simulated sweep at x{simulated[0]['rate_scale']:g}"
+    profile = [] if ns.slo_cost_profile is None else ["--batch-control-cost-profile", str(ns.slo_cost_profile)]
     configs: dict[str, tuple[list[str], EngineArgs]] = {
-        "slo": (["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}"],
+        "slo": (["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}", *profile],
                 EngineArgs(batch_controller="slo", target_tpot_ms=ns.target_tpot_ms))}
     for b, s in statics:
         configs[f"{b}/{s}"] = (["--max-num-batched-tokens", str(b), "--max-num-seqs", str(s)],
@@ -458,6 +459,9 @@ def main() -> None:
     ap.add_argument("--output", type=Path, default=OUT / "batching_slo.json")
     ap.add_argument("--real", action="store_true", help="confirm on the real engine (see above)")
     ap.add_argument("--repeats", type=int, default=1, help="--real: rounds per rate (slo and each static, the order rotated per round)")
+    ap.add_argument("--slo-cost-profile", type=Path, default=None,
+                    help="--real: the profile slo's predictions start from on the server "
+                         "(--batch-control-cost-profile; default: the shipped one)")
     ap.add_argument("--statics", default="",
                     help="--real: static pairs to run against slo, e.g. 1024/32,2048/64 (default: the "
                          "simulated sweep's best static at that rate)")

@@ -350,6 +350,9 @@ class EngineArgs:
     batch_control_interval: Optional[float] = _slo_batch_field("interval", "seconds between adjustments")
     batch_control_hysteresis: Optional[float] = _slo_batch_field(
         "hysteresis", "share below the target where nothing changes, and the least relative move of a limit")
+    batch_control_cost_profile: Optional[str] = field(default=None, metadata={
+        "help": "slo: step cost profile (tokenweir profile --serving) its predictions start from, scaled by "
+                "measured step times (default: the shipped CPU one)"})
     preemption_mode: str = field(default="recompute", metadata={
         "help": "recompute | swap | auto (per victim, by predicted cost; swap needs --swap-space)"})
     watermark: float = field(default=0.0, metadata={
@@ -433,7 +436,7 @@ class EngineArgs:
                        "initial_num_batched_tokens": "initial_num_batched_tokens",
                        "initial_num_seqs": "initial_num_seqs", "batch_control_window": "window",
                        "batch_control_interval": "interval", "batch_control_hysteresis": "hysteresis",
-                       "target_ttft_ms": "target_ttft_ms"}
+                       "target_ttft_ms": "target_ttft_ms", "batch_control_cost_profile": "cost_profile"}
 
     def _batch_control_config(self) -> Optional[SLOBatchConfig]:
         given = {arg: getattr(self, arg) for arg in ("target_tpot_ms", *self._SLO_BATCH_ARGS)

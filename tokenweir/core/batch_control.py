@@ -94,6 +94,15 @@ class BatchController(ABC):
         policy may let a request displace one running request for its slot (more only if its
         blocks need them), never grow the batch past it."""
 
+    def cut_chunk(self, num_tokens: int, num_computed: int, total_tokens: int, num_prompt_tokens: int,
+                  step: StepComposition, pending_rows: int) -> int:
+        """How many of a prefill chunk's `num_tokens` (after `num_computed` of its request's
+        `total_tokens`) the step may compute, 0 to `num_tokens` (0: none this step). `step`: what
+        the step holds so far; `pending_rows`: running requests the scheduler has yet to visit
+        this step (decode rows, most of them). Asked for every prefill chunk, after the budget
+        and the long-prefill threshold cut it, only of a controller that overrides this."""
+        return num_tokens
+
     def on_step(self, observation: StepObservation) -> None:
         """A step's results came back (not called for a failed step). The scheduler builds the
         observation only for a controller that overrides this."""

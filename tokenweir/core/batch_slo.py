@@ -88,7 +88,7 @@ from typing import Optional
 
 from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.core.batch_control import BatchController, StepLimits, StepObservation
-from tokenweir.core.cost_model import StepComposition, StepCostModel, load_cost_model
+from tokenweir.core.cost_model import StepComposition, StepCostModel, chunk_composition, load_cost_model
 from tokenweir.core.step_timing import StepTimeCorrection
 
 logger = logging.getLogger("tokenweir.batch_slo")
@@ -133,6 +133,10 @@ PERCENTILE = 0.99
 # The minimum budget unless one is given: below it, prompts would crawl (each step pays its
 # fixed cost for a few tokens). It yields to the target and to a smaller maximum.
 DEFAULT_MIN_NUM_BATCHED_TOKENS = 64
+# A prefill chunk is not cut below this many tokens (a chunk costs its step more than its
+# tokens: a sequence of its own, its sampling); a step's first chunk gets them even when none
+# fits beside the step's decode rows, so prompts progress whatever the aim.
+MIN_CHUNK_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -152,6 +156,8 @@ class SLOBatchConfig:
     window: float = 10.0  # seconds of steps whose ITLs (and TTFTs) make the p99 (ITLs: at least MIN_STEPS)
     interval: float = 1.0  # seconds between adjustments
     hysteresis: float = 0.1
+    # A step cost profile (tokenweir profile) to start from; None: the engine's, else the shipped one.
+    cost_profile: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("target_tpot_ms", "target_ttft_ms", "window", "interval"):
@@ -235,8 +241,10 @@ class SLOBatchController(BatchController):
     @classmethod
     def from_config(cls, config: SLOBatchConfig, limits: StepLimits, cost_model: Optional[StepCostModel],
                     watermark: float) -> SLOBatchController:
-        # Without one (the engine holds none unless `auto` preemption asked), the shipped
-        # profile: the measured correction scales it to this machine.
+        # One given by path wins; without one (the engine holds none unless `auto` preemption
+        # asked), the shipped profile: the measured correction scales it to this machine.
+        if config.cost_profile is not None:
+            cost_model = load_cost_model(config.cost_profile)
         return cls(config, limits, cost_model or load_cost_model(None), watermark)
 
     def __init__(self, config: SLOBatchConfig, max_limits: StepLimits, cost_model: StepCostModel,
@@ -342,6 +350,30 @@ class SLOBatchController(BatchController):
             self._held_back = True
             if obs.num_waiting > 0:
                 self._queued_at = obs.now
+
+    def cut_chunk(self, num_tokens: int, num_computed: int, total_tokens: int, num_prompt_tokens: int,
+                  step: StepComposition, pending_rows: int) -> int:
+        # A chunk's time grows with the prompt computed before it (its attention reads it all),
+        # so a budget in tokens cannot keep steps under the aimed-at period: sized for chunks at
+        # a prompt's start, one deep in a long prompt overshoots; sized for the deepest, every
+        # other step falls short. Each chunk is cut to what the period has left instead, the
+        # running requests still to be visited counted as decode rows.
+        if pending_rows:
+            step = step + StepComposition(
+                num_decode_seqs=pending_rows, decode_context_tokens=math.ceil(pending_rows * self._context_per_request),
+                num_sampled=pending_rows)
+        period, predict = self.target * self.bias, self.timing.predict
+
+        def fits(n: int) -> bool:
+            return predict(step + chunk_composition(n, num_computed, total_tokens, num_prompt_tokens)) <= period
+
+        if fits(num_tokens):
+            return num_tokens
+        self._held_back = True
+        floor = min(num_tokens, MIN_CHUNK_TOKENS)
+        if fits(floor):
+            return largest(floor, num_tokens, fits)
+        return floor if step.num_prefill_seqs == 0 else 0
 
     # ------------------------------------------------------------------ decisions
 

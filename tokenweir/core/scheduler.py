@@ -21,7 +21,8 @@ from tokenweir.core.batch_control import BatchController, StepLimits, observe_st
 from tokenweir.core.batch_controllers import create_batch_controller
 from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.composition import create_admission_order
-from tokenweir.core.cost_model import RemainingWork, StepCostModel, StepTally, chunk_composition, load_cost_model
+from tokenweir.core.cost_model import (RemainingWork, StepComposition, StepCostModel, StepTally, chunk_composition,
+                                      load_cost_model)
 from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks, KVCacheManager, PrefixCacheStats, SwapPairs
 from tokenweir.core.policies import SchedulingPolicy, StepServed, create_policy
 from tokenweir.core.prefill_limits import PartialPrefillLimits, StepPrefills
@@ -133,7 +134,7 @@ class _StepState:
     blocks_to_swap_out: SwapPairs = field(default_factory=list)
     blocks_to_swap_in: SwapPairs = field(default_factory=list)
     prefills: Optional[StepPrefills] = None  # with max_num_partial_prefills > 1
-    held_back: bool = False  # the policy held an admission back: no more this step
+    held_back: bool = False  # the policy (or the batch controller's cut) held an admission back: no more this step
     swap_held: bool = False  # ... or a swap-in
 
 
@@ -185,6 +186,10 @@ class Scheduler:
             cost_model=cost_model, watermark=cache_config.watermark)
         # Only a controller that adapts is told what each step did (it costs a pass over the step).
         self._controller_observes = type(self.batch_controller).on_step is not BatchController.on_step
+        # ... and only one that cuts prefill chunks is asked about each (chunked prefill only: a
+        # whole prompt must otherwise go in one step).
+        self._controller_cuts = (scheduler_config.enable_chunked_prefill
+                                 and type(self.batch_controller).cut_chunk is not BatchController.cut_chunk)
         # ... and a policy that reads it (sla's SLO guard corrects its step times by it): one
         # observation per step, for both.
         self._policy_observes = type(self.policy).on_step_observed is not SchedulingPolicy.on_step_observed
@@ -372,7 +377,8 @@ class Scheduler:
         # tally counted locally and added once: the general path is a call per row.
         allocate, num_scheduled = self.kv_cache_manager.allocate_slots, step.num_scheduled
         num_decode = decode_context = 0
-        for request in list(self.running):
+        running = list(self.running)
+        for index, request in enumerate(running):
             if step.budget == 0:
                 break
             if request.status is not _RUNNING:
@@ -381,6 +387,13 @@ class Scheduler:
             remaining = num_new = len(request.all_token_ids) - computed
             if num_new > 1:  # a prefill chunk (a decode's one token fits any budget left)
                 num_new = self._cap_tokens(num_new, step.budget)
+                if self._controller_cuts:
+                    # The rows booked locally so far are not in the tally yet; those after it
+                    # in `running` are still to come.
+                    num_new = self._cut_chunk(request, num_new, computed, step, num_decode, decode_context,
+                                              len(running) - index - 1)
+                    if num_new == 0:
+                        continue  # it goes on in a later step
             blocks = allocate(request, num_new)
             if blocks is EMPTY_BLOCKS and remaining == 1 and request.output_token_ids:
                 num_scheduled[request.request_id] = 1
@@ -456,7 +469,11 @@ class Scheduler:
             pairs = None
             if self.config.enable_chunked_prefill or num_new <= step.budget:
                 num_new = self._cap_tokens(num_new, step.budget)
-                if not self.policy.may_admit(request, num_new, request.num_computed_tokens, step.tally, now):
+                if self._controller_cuts and num_new > 1:
+                    num_new = self._cut_chunk(request, num_new, request.num_computed_tokens, step)
+                if num_new == 0:
+                    pass  # the controller's cut left its chunk no room in this step
+                elif not self.policy.may_admit(request, num_new, request.num_computed_tokens, step.tally, now):
                     step.swap_held = True
                 elif step.prefills is None or step.prefills.admits(
                         request, request.num_tokens - request.num_computed_tokens, step.budget):
@@ -482,6 +499,11 @@ class Scheduler:
         if step.prefills is not None and not step.prefills.admits(request, num_new, step.budget):
             return False
         num_new = self._cap_tokens(num_new, step.budget)
+        if self._controller_cuts and num_new > 1:
+            num_new = self._cut_chunk(request, num_new, num_hit, step)
+            if num_new == 0:
+                step.held_back = True  # no chunk fits beside the step's: no more admissions
+                return False
         victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
         if victims is None:
             return False
@@ -552,6 +574,18 @@ class Scheduler:
         if threshold and num_tokens > threshold:
             num_tokens = threshold
         return min(num_tokens, budget)
+
+    def _cut_chunk(self, request: Request, num_new: int, computed: int, step: _StepState, num_decode: int = 0,
+                   decode_context: int = 0, pending_rows: int = 0) -> int:
+        """The batch controller's cut of a prefill chunk of `num_new` tokens after `computed`;
+        `num_decode` decode rows (reading `decode_context` tokens) are booked but not yet in the
+        step's tally."""
+        comp = step.tally.composition()
+        if num_decode:
+            comp += StepComposition(num_decode_seqs=num_decode, decode_context_tokens=decode_context,
+                                    num_sampled=num_decode)
+        return self.batch_controller.cut_chunk(num_new, computed, request.num_tokens, request.num_prompt_tokens,
+                                               comp, pending_rows)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, step: _StepState,
                              now: float) -> Optional[KVCacheBlocks]:
@@ -654,11 +688,20 @@ class Scheduler:
             request = self.requests[request_id]
             num_scheduled = step.num_scheduled[request_id]
             extra = min(request.num_tokens - request.num_computed_tokens - num_scheduled, step.budget)
+            computed, total = request.num_computed_tokens, request.num_tokens
+            own = chunk_composition(num_scheduled, computed, total, request.num_prompt_tokens)
+            if self._controller_cuts:  # the chunk as it would grow, beside the rest of the step
+                step.tally.add(own, -1)
+                allowed = self.batch_controller.cut_chunk(num_scheduled + extra, computed, total,
+                                                          request.num_prompt_tokens, step.tally.composition(), 0)
+                step.tally.add(own)
+                extra = min(extra, allowed - num_scheduled)
+                if extra <= 0:
+                    continue
             blocks = self.kv_cache_manager.allocate_slots(request, num_scheduled + extra, apply_watermark=True)
             if blocks is None:
                 continue
-            computed, total = request.num_computed_tokens, request.num_tokens
-            step.tally.add(chunk_composition(num_scheduled, computed, total, request.num_prompt_tokens), -1)
+            step.tally.add(own, -1)
             step.tally.add(chunk_composition(num_scheduled + extra, computed, total, request.num_prompt_tokens))
             step.num_scheduled[request_id] = num_scheduled + extra
             step.budget -= extra
