@@ -50,9 +50,11 @@ fewer rows per second than the held cap's of the same kind (a knee within the ta
 more than its rows bring), doubles the wait (up to `MAX_PROBE_WINDOWS`); one that does neither
 for a window forgets the knee (with nothing of the held cap to compare with, it goes on).
 
-The cap grows by at most `GROWTH` per interval over the most requests that actually ran: a
-cap far above the running count (light load) would let a load step fill the batch at once,
-past the target, and it can then only shrink as fast as requests finish.
+The cap grows to at most `CAP_GROWTH` times the most requests that actually ran in an interval
+(plus one): a cap far above the running count (light load) would let a load step fill the
+batch at once, past the target, and it can then only shrink as fast as requests finish. Within
+that bound, each prompt chunk cut to the period, the batch still fills within a few intervals
+of a burst; growing by 10% an interval held it back for tens of seconds.
 
 It shrinks by admitting less: the scheduler treats a lower cap as holding back admissions
 (under a preempting policy a more important request may still displace one running request at
@@ -93,10 +95,11 @@ from tokenweir.core.step_timing import StepTimeCorrection
 
 logger = logging.getLogger("tokenweir.batch_slo")
 
-# The sequence cap may grow by this share over the running count per interval (a cap far
-# above the requests that ran would let a load step fill the batch at once), and the aimed-at
-# period by this share per window near the band (below).
+# The aimed-at period may grow by this share per window near the band (below).
 GROWTH = 0.1
+# The sequence cap may be at most this many times the requests that ran in an interval, plus
+# one (a cap far above them would let a load step fill the batch at once).
+CAP_GROWTH = 2.0
 # The p99 feedback grows the aimed-at period by at most GROWTH per window (an overshoot costs
 # a violation: shrinking is immediate), except back up to the model's own aim (bias 1, where
 # the corrected model predicts steps of the target): there it doubles per window while the p99
@@ -437,7 +440,7 @@ class SLOBatchController(BatchController):
                     self.prefill_reserve = max(PREFILL_RESERVE, self.prefill_reserve - RESERVE_STEP)
         self._held_back = False
         tokens, seqs = self._choose()
-        seqs = min(seqs, max(self.config.min_num_seqs, math.ceil(self._peak_running * (1 + GROWTH)) + 1))
+        seqs = min(seqs, max(self.config.min_num_seqs, math.ceil(self._peak_running * CAP_GROWTH) + 1))
         self._peak_running = 0
         current = self.limits
 
