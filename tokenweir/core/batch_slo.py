@@ -8,6 +8,9 @@ step is as long as the target allows (the per-step cost is paid once for more ro
 - predict: the cost model gives the largest sequence cap whose decode rows alone fill the
   target but a reserve (left for prefill chunks, so admitted prompts keep progressing), and the
   largest token budget whose full step (those decode rows plus a prefill chunk) fits the target;
+  within the budget each prefill chunk is cut to what the period has left beside the step's
+  other work (`cut_chunk`: a chunk deep in a long prompt costs more per token than one at its
+  start, which a budget in tokens cannot tell apart);
 - correct: a running ratio of measured to predicted step periods (core/step_timing.py, which
   sla's SLO guard shares) scales every prediction (the profile may be of another machine, or
   the machine busier); the windowed p99 of measured ITL scales the target the prediction aims
