@@ -393,7 +393,11 @@ class Scheduler:
                     num_new = self._cut_chunk(request, num_new, computed, step, num_decode, decode_context,
                                               len(running) - index - 1)
                     if num_new == 0:
-                        continue  # it goes on in a later step
+                        # It goes on in a later step, still a partial prefill: it keeps its
+                        # slots, or admissions would start more than the limits allow.
+                        if step.prefills is not None:
+                            step.prefills.add(request, 0)
+                        continue
             blocks = allocate(request, num_new)
             if blocks is EMPTY_BLOCKS and remaining == 1 and request.output_token_ids:
                 num_scheduled[request.request_id] = 1
@@ -475,8 +479,8 @@ class Scheduler:
                     pass  # the controller's cut left its chunk no room in this step
                 elif not self.policy.may_admit(request, num_new, request.num_computed_tokens, step.tally, now):
                     step.swap_held = True
-                elif step.prefills is None or step.prefills.admits(
-                        request, request.num_tokens - request.num_computed_tokens, step.budget):
+                elif step.prefills is None or step.prefills.admits(  # (the chunk as cut: it may be partial)
+                        request, request.num_tokens - request.num_computed_tokens, num_new):
                     # As for an admission: the reserve holds unless nothing else runs.
                     pairs = self.kv_cache_manager.swap_in(request, num_new, apply_watermark=bool(self.running))
             if pairs is None:
@@ -503,6 +507,10 @@ class Scheduler:
             num_new = self._cut_chunk(request, num_new, num_hit, step)
             if num_new == 0:
                 step.held_back = True  # no chunk fits beside the step's: no more admissions
+                return False
+            # A prompt that fits the budget asked for no partial slot; cut short, it takes one.
+            if (step.prefills is not None and num_new < request.num_tokens - num_hit
+                    and not step.prefills.admits(request, request.num_tokens - num_hit, num_new)):
                 return False
         victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
         if victims is None:
@@ -686,7 +694,9 @@ class Scheduler:
             if step.budget == 0:
                 return
             request = self.requests[request_id]
-            num_scheduled = step.num_scheduled[request_id]
+            num_scheduled = step.num_scheduled.get(request_id, 0)
+            if not num_scheduled:
+                continue  # the controller's cut held its chunk back (it only keeps its slots)
             extra = min(request.num_tokens - request.num_computed_tokens - num_scheduled, step.budget)
             computed, total = request.num_computed_tokens, request.num_tokens
             own = chunk_composition(num_scheduled, computed, total, request.num_prompt_tokens)
