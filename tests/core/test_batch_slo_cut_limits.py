@@ -150,3 +150,37 @@ def test_every_kind_of_chunk_is_cut_to_the_aim():
     # guessed (as decode rows at the mean context), hence the 5%. Without the swap-in's cut,
     # the top-up's, the pending rows or the hit's depth, some step goes 9-13% over.
     assert max(_aim_run(seed) for seed in range(12)) <= 1.05
+
+
+@pytest.mark.parametrize("max_num_seqs", [2, 8])
+def test_a_more_important_request_displaces_a_running_prefill_whose_chunk_fills_the_step(max_num_seqs):
+    # At a full cap, `priority` lets an important arrival displace the latest low-priority
+    # request: here the long prompt, whose chunk the cut sized to the whole period. Its chunk
+    # leaves with it, so the arrival's chunk must be cut beside the step without it; cut beside
+    # the step with it, the arrival was held back until the long prompt's prefill ended (76-94
+    # steps, 7-9 s, against 2-3 steps with `static`).
+    config = SLOBatchConfig(target_tpot_ms=100.0, interval=0.3, window=2.0, initial_num_batched_tokens=256,
+                            initial_num_seqs=max_num_seqs)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=max_num_seqs, policy="priority",
+                                  batch_controller="slo", batch_control_config=config),
+                  CacheConfig(block_size=4, num_blocks=4000), cost_model=DEEP_MODEL)
+    requests = ([make_request(f"d{i}", 8, max_tokens=300, priority=5) for i in range(max_num_seqs - 1)]
+                + [make_request("long", 2000, max_tokens=2, priority=5)])
+    for r in requests:
+        s.add_request(r)
+    important = make_request("important", 30, max_tokens=2, priority=0)
+    runner, now, k, waited = PagedFakeRunner(s.block_size), 0.0, 0, None
+    while s.has_unfinished_requests():
+        if k == 5:
+            important.arrival_time = now
+            s.add_request(important)
+        out = s.schedule(now)
+        if waited is None and "important" in out.num_scheduled_tokens:
+            waited = k - 5
+        now += DEEP_MODEL.predict(step_composition(out, s.requests))
+        s.update_from_output(out, runner.execute(out), now)
+        k += 1
+    assert waited is not None and waited <= 3
+    for r in requests + [important]:
+        assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+    assert_no_leaks(s)

@@ -12,6 +12,7 @@ A step is a transaction: every `schedule()` is followed by exactly one `update_f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional, Sequence
@@ -503,8 +504,13 @@ class Scheduler:
         if step.prefills is not None and not step.prefills.admits(request, num_new, step.budget):
             return False
         num_new = self._cap_tokens(num_new, step.budget)
+        victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
+        if victims is None:
+            return False
         if self._controller_cuts and num_new > 1:
-            num_new = self._cut_chunk(request, num_new, num_hit, step)
+            # Beside the step as it will be: a victim's chunk leaves with it (a more important
+            # request displacing a running prompt takes the room that prompt's chunk held).
+            num_new = self._cut_chunk(request, num_new, num_hit, step, freeing=victims)
             if num_new == 0:
                 step.held_back = True  # no chunk fits beside the step's: no more admissions
                 return False
@@ -512,9 +518,6 @@ class Scheduler:
             if (step.prefills is not None and num_new < request.num_tokens - num_hit
                     and not step.prefills.admits(request, request.num_tokens - num_hit, num_new)):
                 return False
-        victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
-        if victims is None:
-            return False
         if not self.policy.may_admit(request, num_new, num_hit, step.tally, now):
             step.held_back = True
             return False
@@ -584,11 +587,25 @@ class Scheduler:
         return min(num_tokens, budget)
 
     def _cut_chunk(self, request: Request, num_new: int, computed: int, step: _StepState, num_decode: int = 0,
-                   decode_context: int = 0, pending_rows: int = 0) -> int:
+                   decode_context: int = 0, pending_rows: int = 0, freeing: Sequence[Request] = ()) -> int:
         """The batch controller's cut of a prefill chunk of `num_new` tokens after `computed`;
         `num_decode` decode rows (reading `decode_context` tokens) are booked but not yet in the
-        step's tally."""
-        comp = step.tally.composition()
+        step's tally; the shares of the `freeing` victims (to be preempted) are left out."""
+        tally = step.tally
+        if freeing:
+            tally = dataclasses.replace(tally)
+            for victim in freeing:
+                num_scheduled = step.num_scheduled.get(victim.request_id, 0)
+                if not num_scheduled:
+                    continue
+                victim_computed = step.prefill_computed.get(victim.request_id)
+                if victim_computed is None:  # a decode row (as _preempt takes it back)
+                    tally.num_decode_seqs -= 1
+                    tally.decode_context_tokens -= victim.num_computed_tokens + 1
+                else:
+                    tally.add(chunk_composition(num_scheduled, victim_computed, victim.num_tokens,
+                                                victim.num_prompt_tokens), -1)
+        comp = tally.composition()
         if num_decode:
             comp += StepComposition(num_decode_seqs=num_decode, decode_context_tokens=decode_context,
                                     num_sampled=num_decode)
