@@ -504,13 +504,18 @@ class Scheduler:
         if step.prefills is not None and not step.prefills.admits(request, num_new, step.budget):
             return False
         num_new = self._cap_tokens(num_new, step.budget)
-        victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
+        cuts = self._controller_cuts and num_new > 1
+        chunk = self._cut_chunk(request, num_new, num_hit, step) if cuts else num_new
+        victims = self._plan_preemptions(request, chunk or num_new, computed, num_hit, step, now)
         if victims is None:
+            step.held_back = step.held_back or chunk == 0  # (as below: no chunk fits beside the step's)
             return False
-        if self._controller_cuts and num_new > 1:
-            # Beside the step as it will be: a victim's chunk leaves with it (a more important
-            # request displacing a running prompt takes the room that prompt's chunk held).
-            num_new = self._cut_chunk(request, num_new, num_hit, step, freeing=victims)
+        if cuts:
+            if victims:
+                # Beside the step as it will be: a victim's chunk leaves with it (a more important
+                # request displacing a running prompt takes the room that prompt's chunk held).
+                chunk = self._cut_chunk(request, num_new, num_hit, step, freeing=victims)
+            num_new = chunk
             if num_new == 0:
                 step.held_back = True  # no chunk fits beside the step's: no more admissions
                 return False
