@@ -12,6 +12,7 @@ A step is a transaction: every `schedule()` is followed by exactly one `update_f
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional, Sequence
@@ -393,7 +394,11 @@ class Scheduler:
                     num_new = self._cut_chunk(request, num_new, computed, step, num_decode, decode_context,
                                               len(running) - index - 1)
                     if num_new == 0:
-                        continue  # it goes on in a later step
+                        # It goes on in a later step, still a partial prefill: it keeps its
+                        # slots, or admissions would start more than the limits allow.
+                        if step.prefills is not None:
+                            step.prefills.add(request, 0)
+                        continue
             blocks = allocate(request, num_new)
             if blocks is EMPTY_BLOCKS and remaining == 1 and request.output_token_ids:
                 num_scheduled[request.request_id] = 1
@@ -475,8 +480,8 @@ class Scheduler:
                     pass  # the controller's cut left its chunk no room in this step
                 elif not self.policy.may_admit(request, num_new, request.num_computed_tokens, step.tally, now):
                     step.swap_held = True
-                elif step.prefills is None or step.prefills.admits(
-                        request, request.num_tokens - request.num_computed_tokens, step.budget):
+                elif step.prefills is None or step.prefills.admits(  # (the chunk as cut: it may be partial)
+                        request, request.num_tokens - request.num_computed_tokens, num_new):
                     # As for an admission: the reserve holds unless nothing else runs.
                     pairs = self.kv_cache_manager.swap_in(request, num_new, apply_watermark=bool(self.running))
             if pairs is None:
@@ -499,14 +504,25 @@ class Scheduler:
         if step.prefills is not None and not step.prefills.admits(request, num_new, step.budget):
             return False
         num_new = self._cap_tokens(num_new, step.budget)
-        if self._controller_cuts and num_new > 1:
-            num_new = self._cut_chunk(request, num_new, num_hit, step)
+        cuts = self._controller_cuts and num_new > 1
+        chunk = self._cut_chunk(request, num_new, num_hit, step) if cuts else num_new
+        victims = self._plan_preemptions(request, chunk or num_new, computed, num_hit, step, now)
+        if victims is None:
+            step.held_back = step.held_back or chunk == 0  # (as below: no chunk fits beside the step's)
+            return False
+        if cuts:
+            if victims:
+                # Beside the step as it will be: a victim's chunk leaves with it (a more important
+                # request displacing a running prompt takes the room that prompt's chunk held).
+                chunk = self._cut_chunk(request, num_new, num_hit, step, freeing=victims)
+            num_new = chunk
             if num_new == 0:
                 step.held_back = True  # no chunk fits beside the step's: no more admissions
                 return False
-        victims = self._plan_preemptions(request, num_new, computed, num_hit, step, now)
-        if victims is None:
-            return False
+            # A prompt that fits the budget asked for no partial slot; cut short, it takes one.
+            if (step.prefills is not None and num_new < request.num_tokens - num_hit
+                    and not step.prefills.admits(request, request.num_tokens - num_hit, num_new)):
+                return False
         if not self.policy.may_admit(request, num_new, num_hit, step.tally, now):
             step.held_back = True
             return False
@@ -576,11 +592,25 @@ class Scheduler:
         return min(num_tokens, budget)
 
     def _cut_chunk(self, request: Request, num_new: int, computed: int, step: _StepState, num_decode: int = 0,
-                   decode_context: int = 0, pending_rows: int = 0) -> int:
+                   decode_context: int = 0, pending_rows: int = 0, freeing: Sequence[Request] = ()) -> int:
         """The batch controller's cut of a prefill chunk of `num_new` tokens after `computed`;
         `num_decode` decode rows (reading `decode_context` tokens) are booked but not yet in the
-        step's tally."""
-        comp = step.tally.composition()
+        step's tally; the shares of the `freeing` victims (to be preempted) are left out."""
+        tally = step.tally
+        if freeing:
+            tally = dataclasses.replace(tally)
+            for victim in freeing:
+                num_scheduled = step.num_scheduled.get(victim.request_id, 0)
+                if not num_scheduled:
+                    continue
+                victim_computed = step.prefill_computed.get(victim.request_id)
+                if victim_computed is None:  # a decode row (as _preempt takes it back)
+                    tally.num_decode_seqs -= 1
+                    tally.decode_context_tokens -= victim.num_computed_tokens + 1
+                else:
+                    tally.add(chunk_composition(num_scheduled, victim_computed, victim.num_tokens,
+                                                victim.num_prompt_tokens), -1)
+        comp = tally.composition()
         if num_decode:
             comp += StepComposition(num_decode_seqs=num_decode, decode_context_tokens=decode_context,
                                     num_sampled=num_decode)
@@ -686,7 +716,9 @@ class Scheduler:
             if step.budget == 0:
                 return
             request = self.requests[request_id]
-            num_scheduled = step.num_scheduled[request_id]
+            num_scheduled = step.num_scheduled.get(request_id, 0)
+            if not num_scheduled:
+                continue  # the controller's cut held its chunk back (it only keeps its slots)
             extra = min(request.num_tokens - request.num_computed_tokens - num_scheduled, step.budget)
             computed, total = request.num_computed_tokens, request.num_tokens
             own = chunk_composition(num_scheduled, computed, total, request.num_prompt_tokens)
