@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Union
+from typing import Callable, Iterator, Optional, Union
 
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.block_pool import BlockPool
@@ -167,6 +167,26 @@ def step(scheduler: Scheduler, runner: PagedFakeRunner, now: float = 0.0) -> Sch
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
     scheduler.update_from_output(out, runner.execute(out), now=now)
     return out
+
+
+def virtual_steps(scheduler: Scheduler, arrivals: list[tuple[float, Request]],
+                  seconds: Callable[[SchedulerOutput], float]) -> Iterator[tuple[SchedulerOutput, float, int]]:
+    """Engine steps in virtual time until every request is done: each request is added at its
+    arrival time, each step is yielded (its output, the time it was scheduled at, the requests
+    running before it was scheduled) before it is applied, and lasts `seconds(out)` (asked
+    before the step's results advance the requests)."""
+    pending, runner, now = sorted(arrivals, key=lambda x: x[0]), PagedFakeRunner(scheduler.block_size), 0.0
+    while pending or scheduler.has_unfinished_requests():
+        while pending and pending[0][0] <= now:
+            scheduler.add_request(pending.pop(0)[1])
+        if not scheduler.has_unfinished_requests():
+            now = pending[0][0]
+            continue
+        before = len(scheduler.running)
+        out = scheduler.schedule(now)
+        yield out, now, before
+        now += seconds(out)
+        scheduler.update_from_output(out, runner.execute(out), now)
 
 
 def run_until_done(scheduler: Scheduler, runner: PagedFakeRunner, max_steps: int = 10_000) -> int:

@@ -9,7 +9,7 @@ import random
 import statistics
 import pytest
 
-from tests.core.helpers import PagedFakeRunner, assert_no_leaks, make_request, reference_stream
+from tests.core.helpers import PagedFakeRunner, assert_no_leaks, make_request, reference_stream, virtual_steps
 from tests.sim.helpers import cost_model, write_profile
 from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig
 from tokenweir.core.batch_control import BatchController, StepLimits, StepObservation
@@ -298,21 +298,9 @@ def _run(s, requests, arrivals, world=lambda comp: MODEL.predict(comp)):
     given); returns per step the
     limits, the number running after scheduling, preemptions, the time, the number running
     before scheduling and the requests the step started (new or back from preemption)."""
-    runner, now, pending, trace = PagedFakeRunner(s.block_size), 0.0, sorted(zip(arrivals, requests),
-                                                                             key=lambda x: x[0]), []
-    while pending or s.has_unfinished_requests():
-        while pending and pending[0][0] <= now:
-            s.add_request(pending.pop(0)[1])
-        if not s.has_unfinished_requests():
-            now = pending[0][0]
-            continue
-        before = len(s.running)
-        out = s.schedule(now)
-        trace.append((s.step_limits, len(s.running), len(out.preempted_req_ids), now, before,
-                      len(out.scheduled_new_reqs)))
-        now += world(step_composition(out, s.requests))
-        s.update_from_output(out, runner.execute(out), now)
-    return trace
+    steps = virtual_steps(s, list(zip(arrivals, requests)), lambda out: world(step_composition(out, s.requests)))
+    return [(s.step_limits, len(s.running), len(out.preempted_req_ids), now, before, len(out.scheduled_new_reqs))
+            for out, now, before in steps]
 
 
 def _workload(n=60, seed=0):

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from tests.core.helpers import PagedFakeRunner, assert_no_leaks, make_request, reference_stream
+from tests.core.helpers import PagedFakeRunner, assert_no_leaks, make_request, reference_stream, virtual_steps
 from tests.sim.helpers import cost_model
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_slo import MIN_CHUNK_TOKENS, SLOBatchConfig
@@ -75,21 +75,11 @@ def _random_run(seed: int) -> None:
         prompt = shared[:rng.randrange(100, 600)] + [7 + i] if rng.random() < 0.3 else rng.randrange(5, 700)
         arrivals.append((rng.uniform(0, 3), make_request(f"r{i}", prompt, max_tokens=rng.randrange(2, 40),
                                                          priority=rng.randrange(3))))
-    arrivals.sort(key=lambda x: x[0])
-    pending, runner, now, steps = list(arrivals), PagedFakeRunner(s.block_size), 0.0, 0
-    while pending or s.has_unfinished_requests():
-        while pending and pending[0][0] <= now:
-            s.add_request(pending.pop(0)[1])
-        if not s.has_unfinished_requests():
-            now = pending[0][0]
-            continue
-        out = s.schedule(now)
+    for steps, (out, *_) in enumerate(virtual_steps(
+            s, arrivals, lambda out: DEEP_MODEL.predict(step_composition(out, s.requests)))):
         assert out.num_scheduled_tokens, f"step {steps} scheduled nothing"
         num_long, num_partial = _prefills(s, out, threshold)
         assert num_long <= max_long and num_partial <= max_partial, (steps, out.num_scheduled_tokens)
-        now += DEEP_MODEL.predict(step_composition(out, s.requests))
-        s.update_from_output(out, runner.execute(out), now)
-        steps += 1
         assert steps < 20_000
     for _, r in arrivals:
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
@@ -122,21 +112,11 @@ def _aim_run(seed: int) -> float:
     for i in range(24):
         prompt = shared[:rng.randrange(200, 500)] + [7 + i] if rng.random() < 0.3 else rng.randrange(2, 500)
         arrivals.append((rng.uniform(0, 3), make_request(f"r{i}", prompt, max_tokens=rng.randrange(1, 60))))
-    arrivals.sort(key=lambda x: x[0])
-    pending, runner, now, worst, c = list(arrivals), PagedFakeRunner(s.block_size), 0.0, 0.0, s.batch_controller
-    while pending or s.has_unfinished_requests():
-        while pending and pending[0][0] <= now:
-            s.add_request(pending.pop(0)[1])
-        if not s.has_unfinished_requests():
-            now = pending[0][0]
-            continue
-        out = s.schedule(now)
-        comp = step_composition(out, s.requests)
+    worst, c = 0.0, s.batch_controller
+    for out, *_ in virtual_steps(s, arrivals, lambda out: DEEP_MODEL.predict(step_composition(out, s.requests))):
         if any(n > MIN_CHUNK_TOKENS for rid, n in out.num_scheduled_tokens.items()
                if rid in out.prefill_num_computed_tokens):
-            worst = max(worst, c.timing.predict(comp) / (c.target * c.bias))
-        now += DEEP_MODEL.predict(comp)
-        s.update_from_output(out, runner.execute(out), now)
+            worst = max(worst, c.timing.predict(step_composition(out, s.requests)) / (c.target * c.bias))
     for _, r in arrivals:
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
     assert_no_leaks(s)
