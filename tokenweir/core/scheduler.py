@@ -119,6 +119,17 @@ class SchedulerStats:
     longest_waiting: dict[str, dict[str, object]] = field(default_factory=dict)
 
 
+def _take_share(tally: StepTally, request: Request, num_scheduled: int, prefill_computed: Optional[int]) -> None:
+    """Take a request's share of the step out of `tally`: its decode row (`prefill_computed`
+    None), or its chunk of `num_scheduled` tokens after `prefill_computed`."""
+    if prefill_computed is None:
+        tally.num_decode_seqs -= 1
+        tally.decode_context_tokens -= request.num_computed_tokens + 1
+    else:
+        tally.add(chunk_composition(num_scheduled, prefill_computed, request.num_tokens,
+                                    request.num_prompt_tokens), -1)
+
+
 @dataclass(slots=True)
 class _StepState:
     """Bookkeeping of the step being built, so a preemption can undo a victim's share."""
@@ -601,15 +612,8 @@ class Scheduler:
             tally = dataclasses.replace(tally)
             for victim in freeing:
                 num_scheduled = step.num_scheduled.get(victim.request_id, 0)
-                if not num_scheduled:
-                    continue
-                victim_computed = step.prefill_computed.get(victim.request_id)
-                if victim_computed is None:  # a decode row (as _preempt takes it back)
-                    tally.num_decode_seqs -= 1
-                    tally.decode_context_tokens -= victim.num_computed_tokens + 1
-                else:
-                    tally.add(chunk_composition(num_scheduled, victim_computed, victim.num_tokens,
-                                                victim.num_prompt_tokens), -1)
+                if num_scheduled:
+                    _take_share(tally, victim, num_scheduled, step.prefill_computed.get(victim.request_id))
         comp = tally.composition()
         if num_decode:
             comp += StepComposition(num_decode_seqs=num_decode, decode_context_tokens=decode_context,
@@ -640,13 +644,7 @@ class Scheduler:
         rid = victim.request_id
         num_scheduled = step.num_scheduled.pop(rid, 0)
         if num_scheduled:
-            computed = step.prefill_computed.pop(rid, None)
-            if computed is None:  # a decode row
-                step.tally.num_decode_seqs -= 1
-                step.tally.decode_context_tokens -= victim.num_computed_tokens + 1
-            else:
-                step.tally.add(chunk_composition(num_scheduled, computed, victim.num_tokens,
-                                                 victim.num_prompt_tokens), -1)
+            _take_share(step.tally, victim, num_scheduled, step.prefill_computed.pop(rid, None))
             step.budget += num_scheduled
         self.running.remove(victim)
         kind = self.preemption.choose(victim, may_swap=not step.blocks_to_swap_in)
