@@ -342,12 +342,22 @@ def real_configs(ns: argparse.Namespace, sim: dict, scale: float) -> tuple[dict[
         source = f"best static of the simulated sweep at x{simulated[0]['rate_scale']:g}"
     profile = [] if ns.slo_cost_profile is None else ["--batch-control-cost-profile", str(ns.slo_cost_profile)]
     configs: dict[str, tuple[list[str], EngineArgs]] = {
-        "slo": (["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}", *profile],
-                EngineArgs(batch_controller="slo", target_tpot_ms=ns.target_tpot_ms))}
+        slo_name(hold): (["--batch-controller", "slo", "--target-tpot-ms", f"{ns.target_tpot_ms:g}",
+                          "--batch-control-hold", hold, *profile], slo_engine_args(ns.target_tpot_ms, hold))
+        for hold in ns.slo_hold.split(",")}
     for b, s in statics:
         configs[f"{b}/{s}"] = (["--max-num-batched-tokens", str(b), "--max-num-seqs", str(s)],
                                EngineArgs(max_num_batched_tokens=b, max_num_seqs=s))
     return configs, source
+
+
+def slo_name(hold: str) -> str:
+    """`slo` holding ITL (the default) is "slo"; holding TPOT, "slo-tpot"."""
+    return "slo" if hold == "itl" else f"slo-{hold}"
+
+
+def slo_engine_args(target_tpot_ms: float, hold: str) -> EngineArgs:
+    return EngineArgs(batch_controller="slo", target_tpot_ms=target_tpot_ms, batch_control_hold=hold)
 
 
 def trace_workload(ns: argparse.Namespace, scale: float, *extra: str) -> list[str]:
@@ -462,6 +472,9 @@ def main() -> None:
     ap.add_argument("--slo-cost-profile", type=Path, default=None,
                     help="--real: the profile slo's predictions start from on the server "
                          "(--batch-control-cost-profile; default: the shipped one)")
+    ap.add_argument("--slo-hold", default="itl",
+                    help="what slo holds (--batch-control-hold): itl or tpot; with --real a list, e.g. "
+                         "itl,tpot, each run in every round")
     ap.add_argument("--statics", default="",
                     help="--real: static pairs to run against slo, e.g. 1024/32,2048/64 (default: the "
                          "simulated sweep's best static at that rate)")
@@ -472,7 +485,9 @@ def main() -> None:
     cost = load_cost_model(ns.profile)
     rows = read_trace(TRACE, ns.num_prompts, 1.0, ns.max_input_len, ns.max_output_len)
     trace_times = [r.arrival_s for r in rows]
-    slo_args = EngineArgs(batch_controller="slo", target_tpot_ms=ns.target_tpot_ms)
+    if "," in ns.slo_hold:
+        raise SystemExit("--slo-hold: one value for the simulated sweep (several only with --real)")
+    slo_args = slo_engine_args(ns.target_tpot_ms, ns.slo_hold)
     window = slo_args.create_engine_configs(8192, 1)[1].batch_control_config.window
     budgets, caps = ([int(x) for x in text.split(",")] for text in (ns.budgets, ns.caps))
     statics = [(b, s) for b in budgets for s in caps if s <= b]

@@ -350,6 +350,9 @@ class EngineArgs:
     batch_control_interval: Optional[float] = _slo_batch_field("interval", "seconds between adjustments")
     batch_control_hysteresis: Optional[float] = _slo_batch_field(
         "hysteresis", "share below the target where nothing changes, and the least relative move of a limit")
+    batch_control_hold: Optional[str] = _slo_batch_field(
+        "hold", "what is held under --target-tpot-ms: itl (every step's period, the windowed p99 of ITL) or "
+                "tpot (each request's TPOT: a step may outlast the target while every row has the slack)")
     batch_control_cost_profile: Optional[str] = field(default=None, metadata={
         "help": "slo: step cost profile (tokenweir profile --serving) its predictions start from, scaled by "
                 "measured step times (default: the shipped CPU one)"})
@@ -436,7 +439,8 @@ class EngineArgs:
                        "initial_num_batched_tokens": "initial_num_batched_tokens",
                        "initial_num_seqs": "initial_num_seqs", "batch_control_window": "window",
                        "batch_control_interval": "interval", "batch_control_hysteresis": "hysteresis",
-                       "target_ttft_ms": "target_ttft_ms", "batch_control_cost_profile": "cost_profile"}
+                       "target_ttft_ms": "target_ttft_ms", "batch_control_cost_profile": "cost_profile",
+                       "batch_control_hold": "hold"}
 
     def _batch_control_config(self) -> Optional[SLOBatchConfig]:
         given = {arg: getattr(self, arg) for arg in ("target_tpot_ms", *self._SLO_BATCH_ARGS)

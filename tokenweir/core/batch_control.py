@@ -52,6 +52,8 @@ class StepObservation:
     num_waiting: int
     running_context_tokens: int  # computed tokens of the running requests, after the step
     kv_cache_usage: float  # 0..1
+    # Seconds per output token after the first (TPOT), of the requests that finished now.
+    tpots: Sequence[float] = ()
 
 
 def observe_step(out: SchedulerOutput, composition: StepComposition, updates: Sequence[RequestUpdate],
@@ -63,6 +65,8 @@ def observe_step(out: SchedulerOutput, composition: StepComposition, updates: Se
     # scheduled request, and the loop with the property call cost half again as much.)
     ttfts = [now - r.arrival_time for u in updates if len((r := u.request).output_token_ids) <= len(u.new_token_ids)]
     num_itl = len(updates) - len(ttfts)
+    tpots = [(now - r.first_token_time) / (n - 1) for u in updates
+             if (r := u.request).is_finished and (n := len(r.output_token_ids)) > 1]
     # Steady decode (every running request decoded, none finished): the decode rows are the
     # running requests, their context after the step the decode rows' context.
     steady = (not out.prefill_num_computed_tokens and len(updates) == len(running)
@@ -70,7 +74,7 @@ def observe_step(out: SchedulerOutput, composition: StepComposition, updates: Se
     running_context = (composition.decode_context_tokens if steady
                        else sum(r.num_computed_tokens for r in running))
     return StepObservation(now, composition, num_itl, ttfts, len(running), num_waiting, running_context,
-                           kv_cache_usage)
+                           kv_cache_usage, tpots)
 
 
 class BatchController(ABC):
@@ -93,6 +97,10 @@ class BatchController(ABC):
         batch down to it. It holds as the configured cap does: at a full cap a preempting
         policy may let a request displace one running request for its slot (more only if its
         blocks need them), never grow the batch past it."""
+
+    def begin_step(self, now: float, running: Sequence[Request]) -> None:
+        """A step is about to be scheduled at `now` with these requests running (before
+        get_limits). Called only of a controller that overrides this: it costs a pass over them."""
 
     def cut_chunk(self, num_tokens: int, num_computed: int, total_tokens: int, num_prompt_tokens: int,
                   step: StepComposition, pending_rows: int) -> int:

@@ -72,6 +72,25 @@ cap lengthens (fewer requests served at once, lower throughput, a longer queue).
 window holds such queueing, a TTFT over the target steps the reserve back down towards
 `PREFILL_RESERVE` instead. Time enters only through `now` arguments.
 
+Holding TPOT instead (`hold="tpot"`, `--batch-control-hold tpot`): a request's TPOT is the mean
+of its ITLs, so one long step costs it little if its other steps were short. Holding every
+step's ITL gives that away twice: steps beside decode rows that have time to spare are cut all
+the same (a prompt arriving beside them takes more, shorter steps), and where steps vary (a real
+machine) the p99 of ITL sits above their mean, so the mean is held under the target by that
+margin while the static pairs that meet TPOT run their steps at it. Each decoding request's next
+token is due by its first token's time plus the due period (the aimed-at period) times the
+tokens it has: met every time, its TPOT stays under that period after every token, whatever the
+steps' lengths were. The scheduler calls `begin_step` with the running requests before each
+step; the step may last until the earliest due token (`cut_chunk` cuts every prefill chunk to
+that, not to the period, and with no decoding request nothing is cut: no row waits), and the
+token budget is the maximum (the cut does what it did). A request behind its due time (a step
+longer than predicted, a preemption) still gets `BEHIND_SHARE` of a period for its next token:
+it catches up by the rest each step, and one far behind does not hold every step to nothing.
+The feedback is on the p99 TPOT of the requests finished since the period last moved (those
+before lived under another aim; `MIN_TPOTS` of them at least), in the same band, from a period
+starting inside it (1 - hysteresis / 2 of the target) and never above its top; no knee is
+looked for. The cap is chosen as when holding ITL.
+
 A minimum budget whose full step the model predicts over the aimed-at period cannot meet the
 target: every step that fills it violates, and the feedback then shrinks the cap (throughput)
 for a tail the cap cannot remove. A minimum the user gave (`--min-num-batched-tokens`) is
@@ -87,14 +106,17 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.core.batch_control import BatchController, StepLimits, StepObservation
 from tokenweir.core.cost_model import StepComposition, StepCostModel, chunk_composition, load_cost_model
 from tokenweir.core.step_timing import StepTimeCorrection
+
+if TYPE_CHECKING:
+    from tokenweir.request import Request
 
 logger = logging.getLogger("tokenweir.batch_slo")
 
@@ -143,6 +165,13 @@ DEFAULT_MIN_NUM_BATCHED_TOKENS = 64
 # tokens: a sequence of its own, its sampling); a step's first chunk gets them even when none
 # fits beside the step's decode rows, so prompts progress whatever the aim.
 MIN_CHUNK_TOKENS = 16
+HOLDS = ("itl", "tpot")
+# hold="tpot": a request behind its due time still gets this share of the due period for its
+# next token (it catches up by the rest per step; one far behind, after a preemption, must not
+# hold every step to nothing until it has), and the p99 of TPOT needs this many finished
+# requests since the feedback last moved.
+BEHIND_SHARE = 0.9
+MIN_TPOTS = 10
 
 
 @dataclass(frozen=True)
@@ -164,6 +193,10 @@ class SLOBatchConfig:
     hysteresis: float = 0.1
     # A step cost profile (tokenweir profile) to start from; None: the engine's, else the shipped one.
     cost_profile: Optional[str] = None
+    # What is held under the target: "itl", every step's period (the windowed p99 of ITL, so
+    # TPOT too); "tpot", each request's TPOT (its next token due by its first token's time plus
+    # the target per token since: a step may outlast the target while every row has slack).
+    hold: str = "itl"
 
     def __post_init__(self) -> None:
         for name in ("target_tpot_ms", "target_ttft_ms", "window", "interval"):
@@ -172,6 +205,8 @@ class SLOBatchConfig:
                 continue
             if not is_finite_number(value) or value <= 0:
                 raise ValueError(f"batch control {name} must be a number > 0, got {value!r}")
+        if self.hold not in HOLDS:
+            raise ValueError(f"batch control hold must be one of {', '.join(HOLDS)}, got {self.hold!r}")
         if not is_finite_number(self.hysteresis) or not 0 <= self.hysteresis < 1:
             raise ValueError(f"batch control hysteresis must be in [0, 1), got {self.hysteresis!r}")
         for name in ("min_num_batched_tokens", "min_num_seqs", "initial_num_batched_tokens", "initial_num_seqs"):
@@ -264,10 +299,18 @@ class SLOBatchController(BatchController):
         self.watermark = watermark
         self.target = config.target_tpot_ms / 1000
         self.target_ttft = None if config.target_ttft_ms is None else config.target_ttft_ms / 1000
-        self.bias = 1.0  # the aimed-at period, as a share of the target
+        self._hold_tpot = config.hold == "tpot"
+        # The aimed-at period, as a share of the target. Holding TPOT, it is also each token's
+        # due period, started inside the band (TPOT is each request's mean over its steps: no
+        # p99 of noisy steps needs a margin under it).
+        self.bias = 1 - config.hysteresis / 2 if self._hold_tpot else 1.0
         self.prefill_reserve = PREFILL_RESERVE
         self.p99_itl: Optional[float] = None  # at the last adjustment: of the steps since the last move
         self.p99_ttft: Optional[float] = None
+        self.p99_tpot: Optional[float] = None  # hold="tpot": of the requests finished since the last move
+        self._tpot: deque[tuple[float, float]] = deque()  # hold="tpot": (time, tpot) of finished requests
+        # hold="tpot": how long the step being scheduled may last, until its earliest due token.
+        self._room = math.inf
         self.min_num_batched_tokens = config.floor_num_batched_tokens(max_limits.max_num_batched_tokens)
         # The default minimum yields to the target; a given one is kept (see the docstring).
         self._min_yields = config.min_num_batched_tokens is None
@@ -337,6 +380,26 @@ class SLOBatchController(BatchController):
         self.timing.begin_step(now)
         return self.limits
 
+    def begin_step(self, now: float, running: Sequence[Request]) -> None:
+        if not self._hold_tpot:
+            return
+        # A decoding request keeps its TPOT (its mean ITL so far) under the due period if its
+        # next token comes by its first token's time plus that period per token it has; one
+        # behind that (a step longer than predicted, a preemption) still gets BEHIND_SHARE of a
+        # period, catching up by the rest per step.
+        period = self.target * self.bias
+        behind = BEHIND_SHARE * period
+        earliest = math.inf
+        for request in running:
+            first = request.first_token_time
+            if first is not None:
+                due = first + period * len(request.output_token_ids)
+                floor = request.last_token_time + behind
+                due = due if due > floor else floor
+                if due < earliest:
+                    earliest = due
+        self._room = earliest - now
+
     def on_step(self, obs: StepObservation) -> None:
         period = self.timing.observe(obs)  # None: no decode row waited for this step
         if period is not None:
@@ -345,6 +408,9 @@ class SLOBatchController(BatchController):
                               comp.num_decode_seqs + comp.num_prefill_seqs, comp.num_prefill_seqs > 0))
         for ttft in obs.ttfts:
             self._ttft.append((obs.now, ttft))
+        if self._hold_tpot:
+            for tpot in obs.tpots:
+                self._tpot.append((obs.now, tpot))
         if obs.num_running:
             self._context_per_request = obs.running_context_tokens / obs.num_running
         self._num_running = obs.num_running
@@ -368,7 +434,10 @@ class SLOBatchController(BatchController):
             step = step + StepComposition(
                 num_decode_seqs=pending_rows, decode_context_tokens=math.ceil(pending_rows * self._context_per_request),
                 num_sampled=pending_rows)
-        period, predict = self.target * self.bias, self.timing.predict
+        # Holding TPOT the step may last until its earliest due token (none: no row waits).
+        period, predict = (self._room if self._hold_tpot else self.target * self.bias), self.timing.predict
+        if period == math.inf:
+            return num_tokens
 
         def fits(n: int) -> bool:
             return predict(step + chunk_composition(n, num_computed, total_tokens, num_prompt_tokens)) <= period
@@ -392,6 +461,47 @@ class SLOBatchController(BatchController):
             self._itl.popleft()
         while self._ttft and self._ttft[0][0] < horizon:
             self._ttft.popleft()
+        violated = self._feedback_tpot(now) if self._hold_tpot else self._feedback_itl(now)
+        self._adjust_reserve(now)
+        self._held_back = False
+        tokens, seqs = self._choose()
+        seqs = min(seqs, max(self.config.min_num_seqs, math.ceil(self._peak_running * CAP_GROWTH) + 1))
+        self._peak_running = 0
+        current = self.limits
+
+        def settle(new: int, old: int) -> int:
+            return new if abs(new - old) > h * old or (violated and new < old) else old
+
+        held = self._held_cap(seqs, now)
+        # A held cap is a boundary measured, not noise: the cap goes to it whatever the hysteresis.
+        seqs = held if held is not None and seqs >= held else settle(seqs, current.max_num_seqs)
+        self.limits = StepLimits(max(settle(tokens, current.max_num_batched_tokens), seqs), seqs)
+
+    def _feedback_tpot(self, now: float) -> bool:
+        """hold="tpot": the aimed-at (due) period moves on the p99 TPOT of the requests that
+        finished since it last moved (those before lived under another aim), inside the band as
+        for ITL; no knee is looked for (a step's length is the due times', not the batch's).
+        Whether the target was violated."""
+        h = self.config.hysteresis
+        while self._tpot and self._tpot[0][0] < now - self.config.window and len(self._tpot) > MIN_TPOTS:
+            self._tpot.popleft()
+        since = [(t, 1) for end, t in self._tpot if end > self._moved_at]
+        self.p99_tpot = p99 = weighted_quantile(since, PERCENTILE) if len(since) >= MIN_TPOTS else None
+        ceiling = self.target * (1 - h / 4)
+        if p99 is not None and p99 > ceiling:
+            self.bias = max(BIAS_RANGE[0], self.bias * max(0.5, ceiling / p99))
+            self._moved_at = now
+            return True
+        if (p99 is not None and p99 < self.target * (1 - h) and self._held_back
+                and now - self._moved_at >= self.config.window):
+            self.bias = min(1 - h / 4, self.bias * min(1 + GROWTH, self.target * (1 - h / 2) / p99))
+            self._moved_at = now
+        return False
+
+    def _feedback_itl(self, now: float) -> bool:
+        """hold="itl": the aimed-at period (and the knee's memory) moves on the windowed p99 of
+        the steps' ITL since it last moved. Whether the target was violated."""
+        h = self.config.hysteresis
         since = [step for step in self._itl if step[0] > self._moved_at]
         enough = len(since) >= MIN_STEPS
         self.p99_itl = p99 = weighted_quantile(((p, n) for _, p, n, *_ in since), PERCENTILE) if enough else None
@@ -430,6 +540,11 @@ class SLOBatchController(BatchController):
                 self._moved_at = now
             if self._probing and now - self._probe_since >= self.config.window:
                 self._end_probe(now)
+        return violated
+
+    def _adjust_reserve(self, now: float) -> None:
+        """With a TTFT target: the prefill reserve moves on its p99 (see the module docstring)."""
+        h = self.config.hysteresis
         if self.target_ttft is not None:
             self.p99_ttft = weighted_quantile(((t, 1) for _, t in self._ttft), PERCENTILE)
             if self.p99_ttft is not None:
@@ -441,19 +556,6 @@ class SLOBatchController(BatchController):
                     self.prefill_reserve = min(MAX_RESERVE, self.prefill_reserve + RESERVE_STEP)
                 elif self.p99_ttft < self.target_ttft * (1 - h):
                     self.prefill_reserve = max(PREFILL_RESERVE, self.prefill_reserve - RESERVE_STEP)
-        self._held_back = False
-        tokens, seqs = self._choose()
-        seqs = min(seqs, max(self.config.min_num_seqs, math.ceil(self._peak_running * CAP_GROWTH) + 1))
-        self._peak_running = 0
-        current = self.limits
-
-        def settle(new: int, old: int) -> int:
-            return new if abs(new - old) > h * old or (violated and new < old) else old
-
-        held = self._held_cap(seqs, now)
-        # A held cap is a boundary measured, not noise: the cap goes to it whatever the hysteresis.
-        seqs = held if held is not None and seqs >= held else settle(seqs, current.max_num_seqs)
-        self.limits = StepLimits(max(settle(tokens, current.max_num_batched_tokens), seqs), seqs)
 
     @staticmethod
     def _broken_batch(steps: list[tuple[float, float, int, float, int, bool]],
@@ -582,6 +684,10 @@ class SLOBatchController(BatchController):
                        lambda s: seconds(s, 0) <= period * (1 - self.prefill_reserve))
         if 1 - self._kv_cache_usage <= self.watermark + MEMORY_MARGIN:
             seqs = min(seqs, max(cfg.min_num_seqs, self.limits.max_num_seqs))
+        if self._hold_tpot:
+            # Each prompt chunk is cut to its step's due times (cut_chunk): a budget in tokens
+            # would only stop steps that every row has the slack for.
+            return top.max_num_batched_tokens, seqs
         # The budget fills the period for the decode rows there are (a full cap's worth would
         # leave the prompts waiting behind fewer rows a too small budget); re-decided each
         # interval as the batch grows.

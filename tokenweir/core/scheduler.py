@@ -198,6 +198,7 @@ class Scheduler:
             cost_model=cost_model, watermark=cache_config.watermark)
         # Only a controller that adapts is told what each step did (it costs a pass over the step).
         self._controller_observes = type(self.batch_controller).on_step is not BatchController.on_step
+        self._controller_begins = type(self.batch_controller).begin_step is not BatchController.begin_step
         # ... and only one that cuts prefill chunks is asked about each (chunked prefill only: a
         # whole prompt must otherwise go in one step).
         self._controller_cuts = (scheduler_config.enable_chunked_prefill
@@ -461,6 +462,8 @@ class Scheduler:
         return self._make_output(step)
 
     def _get_limits(self, now: float) -> StepLimits:
+        if self._controller_begins:
+            self.batch_controller.begin_step(now, self.running)
         limits = self.batch_controller.get_limits(now)
         if (limits.max_num_batched_tokens > self.config.max_num_batched_tokens
                 or limits.max_num_seqs > self.config.max_num_seqs):
