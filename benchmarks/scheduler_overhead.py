@@ -73,6 +73,8 @@ PARTIAL_PREFILLS = dict(max_num_partial_prefills=4, max_long_partial_prefills=1,
 # The slo case: a target loose enough for every running request (the cap stays at 256), so
 # the step is the fcfs one plus the controller's feedback and adjustments.
 SLO_BATCH = dict(batch_controller="slo", batch_control_config=SLOBatchConfig(target_tpot_ms=60_000.0))
+# Holding TPOT: a pass over the running requests' due tokens before every step.
+SLO_BATCH_TPOT = dict(batch_controller="slo", batch_control_config=SLOBatchConfig(target_tpot_ms=60_000.0, hold="tpot"))
 
 
 def build(num_running: int, num_waiting: int, prompt_len: int = 128, policy: str = "fcfs",
@@ -224,6 +226,8 @@ def measure(num_running: int, num_waiting: int, steps: int, policy: str = "fcfs"
 def options_label(options: dict, long_slot_taken: bool = False) -> str:
     """What a case's scheduler options (SLO_BATCH, PARTIAL_PREFILLS) add to its label."""
     label = ", --batch-controller slo" if "batch_controller" in options else ""
+    if "batch_control_config" in options and options["batch_control_config"].hold != "itl":
+        label += f" --batch-control-hold {options['batch_control_config'].hold}"
     if set(options) & set(PARTIAL_PREFILLS) or long_slot_taken:
         label += " + partial prefills 4/1" + (", long slot taken, all waiting long" if long_slot_taken else "")
     return label
@@ -333,12 +337,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every case, interleaved")
     parser.add_argument("--cases", nargs="+", default=None,
-                        choices=["fcfs", "fcfs-1024", "sla", "sla-batch-backlog", "sla-tenants", "vtc", "slo", "partial-prefills",
+                        choices=["fcfs", "fcfs-1024", "sla", "sla-batch-backlog", "sla-tenants", "vtc", "slo", "slo-tpot", "partial-prefills",
                                  "partial-prefills-passing", "cache-aware", "priority-cache-aware", "churn-policy",
                                  "churn-cache-aware", "churn-length-aware", "churn-sampling-grouped",
                                  "churn-cache-aware,sampling-grouped", "churn-sla",
                                  "churn-sla-tenants", "churn-vtc", "sla-drop-unmeetable",
-                                 "churn-sla-drop-unmeetable", "churn-slo", "churn-partial-prefills"])
+                                 "churn-sla-drop-unmeetable", "churn-slo", "churn-slo-tpot", "churn-partial-prefills"])
     args = parser.parse_args()
     cases = {"fcfs": lambda: measure(256, 10_000, args.steps), "fcfs-1024": lambda: measure(1024, 0, args.steps // 2),
              "sla": lambda: measure(256, 10_000, args.steps, "sla"),
@@ -346,6 +350,7 @@ def main() -> None:
              "sla-tenants": lambda: measure(256, 10_000, args.steps, "sla", SLAConfig(tenant_fairness=True)),
              "vtc": lambda: measure(256, 10_000, args.steps, "vtc"),
              "slo": lambda: measure(256, 10_000, args.steps, options=SLO_BATCH),
+             "slo-tpot": lambda: measure(256, 10_000, args.steps, options=SLO_BATCH_TPOT),
              "partial-prefills": lambda: measure(256, 10_000, args.steps, options=PARTIAL_PREFILLS),
              "partial-prefills-passing": lambda: measure(256, 10_000, args.steps, long_slot_taken=True),
              "cache-aware": lambda: measure(256, 10_000, args.steps,
@@ -364,6 +369,7 @@ def main() -> None:
                                                                 policy_config=SLAConfig(drop_unmeetable=True),
                                                                 hints_of=all_deadline_hints),
              "churn-slo": lambda: measure_churn(256, 10_000, args.steps, options=SLO_BATCH),
+             "churn-slo-tpot": lambda: measure_churn(256, 10_000, args.steps, options=SLO_BATCH_TPOT),
              "churn-partial-prefills": lambda: measure_churn(256, 10_000, args.steps, options=PARTIAL_PREFILLS)}
     if args.cases:  # a subset: printed only, the docs stay as the last full run wrote them
         for name in args.cases:

@@ -57,16 +57,17 @@ class StepObservation:
 
 
 def observe_step(out: SchedulerOutput, composition: StepComposition, updates: Sequence[RequestUpdate],
-                 running: Sequence[Request], num_waiting: int, kv_cache_usage: float, now: float) -> StepObservation:
+                 finished: Sequence[Request], running: Sequence[Request], num_waiting: int, kv_cache_usage: float,
+                 now: float) -> StepObservation:
     """`composition`: what the step computed, as the scheduler tallied it while building the
-    step (StepTally: its prefill chunks exactly, its decode rows with their own context)."""
+    step (StepTally: its prefill chunks exactly, its decode rows with their own context);
+    `finished`: the requests the step finished."""
     # A request whose outputs are all this step's got its first token now; every other one
     # waited an ITL. (One comprehension, the list read directly: this runs every step for every
     # scheduled request, and the loop with the property call cost half again as much.)
     ttfts = [now - r.arrival_time for u in updates if len((r := u.request).output_token_ids) <= len(u.new_token_ids)]
     num_itl = len(updates) - len(ttfts)
-    tpots = [(now - r.first_token_time) / (n - 1) for u in updates
-             if (r := u.request).is_finished and (n := len(r.output_token_ids)) > 1]
+    tpots = [(now - r.first_token_time) / (n - 1) for r in finished if (n := len(r.output_token_ids)) > 1]
     # Steady decode (every running request decoded, none finished): the decode rows are the
     # running requests, their context after the step the decode rows' context.
     steady = (not out.prefill_num_computed_tokens and len(updates) == len(running)

@@ -807,7 +807,7 @@ class Scheduler:
         updates: list[RequestUpdate] = []
         feedback = self._policy_wants_feedback
         served = StepServed()
-        any_finished = False
+        finished: list[Request] = []
         # Bound once: the loop runs for every scheduled request of every step.
         requests, cache_blocks, check_stop = in_flight.requests, self.kv_cache_manager.cache_blocks, self._check_stop
         add_update = updates.append
@@ -838,9 +838,7 @@ class Scheduler:
                             status = check_stop(request, token_id)
                             if status is not None:
                                 self._finish(request, status, now)
-                                any_finished = True
-                                if feedback:
-                                    served.finished.append(request)
+                                finished.append(request)
                                 break
                     add_update(RequestUpdate(request, sampled if num_output == len(sampled) else sampled[:num_output]))
                 if feedback:
@@ -852,14 +850,15 @@ class Scheduler:
                         add_recomputed(num_recomputed)
                         add_output(num_output)
         finally:
-            if any_finished:
+            if finished:
                 self.running = [r for r in self.running if r.status < _FINISHED]  # not r.is_finished
         self._in_flight = None
         if feedback:
+            served.finished.extend(finished)
             self.policy.on_step_served(served, now)
         if self._controller_observes or self._policy_observes:
-            observation = observe_step(scheduler_output, in_flight.tally.composition(), updates, self.running,
-                                       len(self.waiting), self.kv_cache_manager.get_usage(), now)
+            observation = observe_step(scheduler_output, in_flight.tally.composition(), updates, finished,
+                                       self.running, len(self.waiting), self.kv_cache_manager.get_usage(), now)
             if self._controller_observes:
                 self.batch_controller.on_step(observation)
             if self._policy_observes:
