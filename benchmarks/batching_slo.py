@@ -114,11 +114,11 @@ def windowed(series: dict, window: float, points: int = 300) -> dict[str, list]:
     return out
 
 
-def settle_time(w: dict[str, list], change_at: float, bound_ms: float) -> Optional[float]:
-    """Seconds after the change until the windowed p99 ITL stays under `bound_ms` to the end;
-    None when the last window is over it (it did not settle within the run)."""
+def settle_time(w: dict[str, list], change_at: float, bound_ms: float, key: str = "p99_itl_ms") -> Optional[float]:
+    """Seconds after the change until the windowed p99 ITL (`key`: or TPOT) stays under
+    `bound_ms` to the end; None when the last window is over it (it did not settle within the run)."""
     last_bad, last = change_at, None
-    for t, v in zip(w["t"], w["p99_itl_ms"]):
+    for t, v in zip(w["t"], w[key]):
         if t >= change_at and v is not None:
             last = v
             if v > bound_ms:
@@ -198,7 +198,7 @@ def plot(step_runs: dict[str, dict], change_at: float, target_ms: float, path: P
     import matplotlib.pyplot as plt
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 7), sharex=True)
-    w = step_runs["slo"]
+    w = next(run for name, run in step_runs.items() if name.startswith("slo"))  # its limits (the first slo's)
     top.plot(w["t"], w["budget"], label="token budget (slo)")
     top.set_ylabel("max_num_batched_tokens")
     twin = top.twinx()
@@ -518,6 +518,8 @@ def main() -> None:
     series["slo"] = windowed(raw, window)
     step["slo_settle_s"] = settle_time(series["slo"], change_at, ns.target_tpot_ms)
     step["slo_settle_within_5pct_s"] = settle_time(series["slo"], change_at, 1.05 * ns.target_tpot_ms)
+    # Holding TPOT, a step may outlast the target by design: what settles is the p99 TPOT.
+    step["slo_settle_tpot_s"] = settle_time(series["slo"], change_at, ns.target_tpot_ms, "p99_tpot_ms")
     # Against the best static pairs at the rate after the step, by either criterion.
     for key, name in (("static", "best_static"), ("static_tpot_and_itl", "best_static_tpot_and_itl")):
         best = result["rates"][-1][name] if result["rates"] else None
@@ -529,10 +531,13 @@ def main() -> None:
             step[key], raw = simulate(EngineArgs(max_num_batched_tokens=b, max_num_seqs=s), cost, reqs)
             series[label] = windowed(raw, window)
             step[key] |= {"max_num_batched_tokens": b, "max_num_seqs": s,
-                          "settle_s": settle_time(series[label], change_at, ns.target_tpot_ms)}
+                          "settle_s": settle_time(series[label], change_at, ns.target_tpot_ms),
+                          "settle_tpot_s": settle_time(series[label], change_at, ns.target_tpot_ms, "p99_tpot_ms")}
     step["series"] = series
     result["step"] = step
-    plot(series, change_at, ns.target_tpot_ms, OUT / "batching_plots" / "slo_step.png")
+    plot(series, change_at, ns.target_tpot_ms,
+         OUT / "batching_plots" / ("slo_step.png" if ns.slo_hold == "itl" else f"slo_step_{ns.slo_hold}.png"),
+         title=f"SIMULATED (shipped CPU profile): slo (hold {ns.slo_hold}) batch control after a load step")
     ns.output.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in step.items() if k != "series"}, indent=1))
 
