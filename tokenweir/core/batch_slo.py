@@ -81,9 +81,10 @@ margin while the static pairs that meet TPOT run their steps at it. Each decodin
 token is due by its first token's time plus the due period (the aimed-at period) times the
 tokens it has: met every time, its TPOT stays under that period after every token, whatever the
 steps' lengths were. The scheduler calls `begin_step` with the running requests before each
-step; the step may last until the earliest due token of a decoding one (a request computing
-its context again after a recompute preemption gets no token before that prefill is done) (`cut_chunk` cuts every prefill chunk to
-that, not to the period, and with no decoding request nothing is cut: no row waits), and the
+step; the step may last until the earliest due token among the decoding ones (`cut_chunk` cuts
+every prefill chunk to that, not to the period; a request computing its context again after a
+recompute preemption gets no token before that prefill is done, so its due time does not count;
+with no decoding request nothing is cut: no row waits), and the
 token budget is the maximum (the cut does what it did). A request behind its due time (a step
 longer than predicted, a preemption) still gets `BEHIND_SHARE` of a period for its next token:
 it catches up by the rest each step, and one far behind does not hold every step to nothing.
