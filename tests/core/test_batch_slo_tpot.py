@@ -24,6 +24,8 @@ def _controller(model=MODEL, **kwargs) -> SLOBatchController:
 def _decoding(rid: str, first: float, last: float, tokens: int):
     r = make_request(rid, 8, max_tokens=1000)
     r.output_token_ids.extend([1] * tokens)
+    r.all_token_ids.extend([1] * tokens)
+    r.num_computed_tokens = len(r.all_token_ids) - 1  # a decoding row: its last token to compute
     r.first_token_time, r.last_token_time = first, last
     return r
 

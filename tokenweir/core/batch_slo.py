@@ -81,8 +81,10 @@ margin while the static pairs that meet TPOT run their steps at it. Each decodin
 token is due by its first token's time plus the due period (the aimed-at period) times the
 tokens it has: met every time, its TPOT stays under that period after every token, whatever the
 steps' lengths were. The scheduler calls `begin_step` with the running requests before each
-step; the step may last until the earliest due token (`cut_chunk` cuts every prefill chunk to
-that, not to the period, and with no decoding request nothing is cut: no row waits), and the
+step; the step may last until the earliest due token among the decoding ones (`cut_chunk` cuts
+every prefill chunk to that, not to the period; a request computing its context again after a
+recompute preemption gets no token before that prefill is done, so its due time does not count;
+with no decoding request nothing is cut: no row waits), and the
 token budget is the maximum (the cut does what it did). A request behind its due time (a step
 longer than predicted, a preemption) still gets `BEHIND_SHARE` of a period for its next token:
 it catches up by the rest each step, and one far behind does not hold every step to nothing.
@@ -392,7 +394,11 @@ class SLOBatchController(BatchController):
         earliest = math.inf
         for request in running:
             first = request.first_token_time
-            if first is not None:
+            # Only a decoding row (one token left to compute) gets a token this step: one
+            # computing its context again after a recompute preemption gets none until that
+            # prefill is done, and its due time (long past) would cut that prefill, and every
+            # other prompt's, to the floor.
+            if first is not None and len(request.all_token_ids) - request.num_computed_tokens == 1:
                 due = first + period * len(request.output_token_ids)
                 floor = request.last_token_time + behind
                 due = due if due > floor else floor
