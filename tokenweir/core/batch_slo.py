@@ -436,14 +436,14 @@ class SLOBatchController(BatchController):
         # a prompt's start, one deep in a long prompt overshoots; sized for the deepest, every
         # other step falls short. Each chunk is cut to what the period has left instead, the
         # running requests still to be visited counted as decode rows.
-        if pending_rows:
-            step = step + StepComposition(
-                num_decode_seqs=pending_rows, decode_context_tokens=math.ceil(pending_rows * self._context_per_request),
-                num_sampled=pending_rows)
         # Holding TPOT the step may last until its earliest due token (none: no row waits).
         period, predict = (self._room if self._hold_tpot else self.target * self.bias), self.timing.predict
         if period == math.inf:
             return num_tokens
+        if pending_rows:
+            step = step + StepComposition(
+                num_decode_seqs=pending_rows, decode_context_tokens=math.ceil(pending_rows * self._context_per_request),
+                num_sampled=pending_rows)
 
         def fits(n: int) -> bool:
             return predict(step + chunk_composition(n, num_computed, total_tokens, num_prompt_tokens)) <= period
@@ -467,6 +467,8 @@ class SLOBatchController(BatchController):
             self._itl.popleft()
         while self._ttft and self._ttft[0][0] < horizon:
             self._ttft.popleft()
+        while len(self._tpot) > MIN_TPOTS and self._tpot[0][0] < horizon:
+            self._tpot.popleft()
         violated = self._feedback_tpot(now) if self._hold_tpot else self._feedback_itl(now)
         self._adjust_reserve(now)
         self._held_back = False
@@ -489,8 +491,6 @@ class SLOBatchController(BatchController):
         for ITL; no knee is looked for (a step's length is the due times', not the batch's).
         Whether the target was violated."""
         h = self.config.hysteresis
-        while self._tpot and self._tpot[0][0] < now - self.config.window and len(self._tpot) > MIN_TPOTS:
-            self._tpot.popleft()
         since = [(t, 1) for end, t in self._tpot if end > self._moved_at]
         self.p99_tpot = p99 = weighted_quantile(since, PERCENTILE) if len(since) >= MIN_TPOTS else None
         ceiling = self.target * (1 - h / 4)

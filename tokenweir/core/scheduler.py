@@ -854,7 +854,7 @@ class Scheduler:
                 self.running = [r for r in self.running if r.status < _FINISHED]  # not r.is_finished
         self._in_flight = None
         if feedback:
-            served.finished.extend(finished)
+            served.finished = finished
             self.policy.on_step_served(served, now)
         if self._controller_observes or self._policy_observes:
             observation = observe_step(scheduler_output, in_flight.tally.composition(), updates, finished,
