@@ -302,6 +302,17 @@ class Request:
         return len(self.all_token_ids)
 
     @property
+    def least_num_output_tokens(self) -> int:
+        """The fewest output tokens it can end with: all it may have (max_tokens, cut to
+        max_model_len once the scheduler has it) when it ignores EOS and has no stop ids or
+        strings, else min_tokens (any token past them may stop it)."""
+        most = self.max_num_tokens - self.num_prompt_tokens
+        params = self.sampling_params
+        if params.ignore_eos and not params.stop_token_ids and not params.stop and params.max_tokens is not None:
+            return most
+        return min(params.min_tokens, most)
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
 

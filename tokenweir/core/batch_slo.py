@@ -88,6 +88,15 @@ with no decoding request nothing is cut: no row waits), and the
 token budget is the maximum (the cut does what it did). A request behind its due time (a step
 longer than predicted, a preemption) still gets `BEHIND_SHARE` of a period for its next token:
 it catches up by the rest each step, and one far behind does not hold every step to nothing.
+A request sure of the N tokens it will have (it ignores EOS, has no stop ids or strings, and
+a max_tokens: `Request.least_num_output_tokens`) only needs its last token on time: its TPOT
+is that token's time since its first over N - 1. Due times on a gentler slope let it bank
+that: its next token is due (tokens it has + credit x (N - 1)) / (1 + credit) periods after
+its first, the credit a quarter of the hysteresis. Its last token is then due N - 1 periods
+after its first, as without the credit, while one that has just had its first token may wait
+credit x (N - 2) / (1 + credit) periods more for its second (a prompt arriving beside it goes
+through in fewer steps). One that may stop at any token gets no credit: its next one may be
+its last.
 The feedback is on the p99 TPOT of the requests finished since the period last moved (those
 before lived under another aim; `MIN_TPOTS` of them at least), in the same band, from a period
 starting inside it (1 - hysteresis / 2 of the target) and never above its top; no knee is
@@ -313,6 +322,10 @@ class SLOBatchController(BatchController):
         self._tpot: deque[tuple[float, float]] = deque()  # hold="tpot": (time, tpot) of finished requests
         # hold="tpot": how long the step being scheduled may last, until its earliest due token.
         self._room = math.inf
+        # hold="tpot": the share of a period per ITL that a request sure of its length may bank
+        # (see the docstring). Its later tokens are then due 1 / (1 + credit) periods apart, so a
+        # larger credit leaves less room to catch up after a step longer than predicted.
+        self._credit = config.hysteresis / 4
         self.min_num_batched_tokens = config.floor_num_batched_tokens(max_limits.max_num_batched_tokens)
         # The default minimum yields to the target; a given one is kept (see the docstring).
         self._min_yields = config.min_num_batched_tokens is None
@@ -390,7 +403,7 @@ class SLOBatchController(BatchController):
         # behind that (a step longer than predicted, a preemption) still gets BEHIND_SHARE of a
         # period, catching up by the rest per step.
         period = self.target * self.bias
-        behind = BEHIND_SHARE * period
+        behind, credit = BEHIND_SHARE * period, self._credit
         earliest = math.inf
         for request in running:
             first = request.first_token_time
@@ -399,7 +412,8 @@ class SLOBatchController(BatchController):
             # prefill is done, and its due time (long past) would cut that prefill, and every
             # other prompt's, to the floor.
             if first is not None and len(request.all_token_ids) - request.num_computed_tokens == 1:
-                due = first + period * len(request.output_token_ids)
+                sure = credit * max(0, request.least_num_output_tokens - 1)
+                due = first + period * (len(request.output_token_ids) + sure) / (1 + credit if sure else 1)
                 floor = request.last_token_time + behind
                 due = due if due > floor else floor
                 if due < earliest:

@@ -354,19 +354,14 @@ class Scheduler:
         running or swapped-out request's own; a waiting one's prefix-cache hit now (tokens that
         others compute for it later are still computed in some step before it ends). Tokens to
         sample: it may stop at the first past min_tokens (EOS, a stop id or string), unless it
-        ignores EOS and has no stop ids or strings, when it runs to max_tokens; never more than
-        max_model_len leaves room for, and at least one."""
+        ignores EOS and has no stop ids or strings, when it runs to max_tokens
+        (`Request.least_num_output_tokens`, within max_model_len); at least one."""
         if request.status is _RUNNING or request.status == RequestStatus.SWAPPED:
             computed = request.num_computed_tokens
         else:
             computed = self.kv_cache_manager.get_computed_blocks(request)[1]
-        params = request.sampling_params
-        if params.ignore_eos and not params.stop_token_ids and not params.stop and params.max_tokens is not None:
-            last = params.max_tokens
-        else:
-            last = params.min_tokens
         num_tokens = request.num_tokens
-        samples = max(1, min(last - request.num_output_tokens, self.max_model_len - num_tokens))
+        samples = max(1, request.least_num_output_tokens - request.num_output_tokens)
         return RemainingWork(num_tokens, request.num_prompt_tokens, computed, samples)
 
     # ------------------------------------------------------------------ one step
