@@ -78,10 +78,12 @@ def test_a_cost_profile_given_by_path_is_the_one_the_controller_predicts_with(tm
     assert s.batch_controller.cost_model == DEEP_MODEL
     with pytest.raises(ValueError, match="batch_control_cost_profile only applies to batch_controller 'slo'"):
         EngineArgs(batch_control_cost_profile=str(path)).create_engine_configs(4096, 100)
-    missing = EngineArgs(batch_controller="slo", target_tpot_ms=150,
-                         batch_control_cost_profile=str(tmp_path / "none.json"))
+    # Refused with the arguments (the server's front end), not only when an engine builds its scheduler.
     with pytest.raises(ValueError, match=r"cost profile .*none.json does not exist"):
-        Scheduler(missing.create_engine_configs(4096, 100)[1], CacheConfig(block_size=16, num_blocks=100))
+        EngineArgs(batch_controller="slo", target_tpot_ms=150, batch_control_cost_profile=str(tmp_path / "none.json"))
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"cost profile .*bad.json is not readable JSON"):
+        EngineArgs(batch_controller="slo", target_tpot_ms=150, batch_control_cost_profile=str(tmp_path / "bad.json"))
 
 
 def test_a_registered_controller_is_built_by_name(monkeypatch):

@@ -292,6 +292,9 @@ def test_slow_first_steps_do_not_get_a_request_that_can_finish_shed(tmp_path):
     # The default's value too: given, it is a margin without the flag.
     (dict(scheduling_policy="sla", sla_unmeetable_margin=0.8), r"sla unmeetable_margin \(0.8\) applies only with drop_unmeetable"),
     (dict(scheduling_policy="fcfs", sla_unmeetable_margin=0.8), "sla_unmeetable_margin only applies to scheduling_policy 'sla'"),
+    # A profile that cannot be read is refused with the arguments, not when an engine builds its policy.
+    (dict(scheduling_policy="sla", sla_protect_slos=True, sla_cost_profile="/nonexistent/profile.json"),
+     r"cost profile /nonexistent/profile.json does not exist"),
 ])
 def test_bad_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -218,6 +218,8 @@ class SLOBatchConfig:
                 raise ValueError(f"batch control {name} must be a number > 0, got {value!r}")
         if self.hold not in HOLDS:
             raise ValueError(f"batch control hold must be one of {', '.join(HOLDS)}, got {self.hold!r}")
+        if self.cost_profile is not None:  # refused with the arguments, not when an engine builds its scheduler
+            load_cost_model(self.cost_profile)
         if not is_finite_number(self.hysteresis) or not 0 <= self.hysteresis < 1:
             raise ValueError(f"batch control hysteresis must be in [0, 1), got {self.hysteresis!r}")
         for name in ("min_num_batched_tokens", "min_num_seqs", "initial_num_batched_tokens", "initial_num_seqs"):

@@ -59,6 +59,7 @@ from dataclasses import dataclass, field, fields
 from typing import Optional
 
 from tokenweir.checks import is_finite_number, is_integer
+from tokenweir.core.cost_model import load_cost_model
 from tokenweir.core.policies.base import PolicyConfig
 from tokenweir.core.policies.fair_share import VTCConfig
 from tokenweir.request import Request
@@ -145,6 +146,8 @@ class SLAConfig(PolicyConfig):
                 raise ValueError(f"sla {name} must be an integer >= {minimum}, got {value!r}")
         if self.cost_profile is not None and not isinstance(self.cost_profile, str):
             raise ValueError(f"sla cost_profile must be a path, got {self.cost_profile!r}")
+        if self.cost_profile is not None:  # refused with the arguments, not when an engine builds its policy
+            load_cost_model(self.cost_profile)
         for name in ("drop_expired", "drop_unmeetable", "tenant_fairness", "protect_slos", "step_time_correction"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sla {name} must be true or false, got {getattr(self, name)!r}")
