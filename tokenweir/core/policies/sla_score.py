@@ -144,10 +144,10 @@ class SLAConfig(PolicyConfig):
             value = getattr(self, name)
             if not is_integer(value) or value < minimum:
                 raise ValueError(f"sla {name} must be an integer >= {minimum}, got {value!r}")
-        if self.cost_profile is not None and not isinstance(self.cost_profile, str):
-            raise ValueError(f"sla cost_profile must be a path, got {self.cost_profile!r}")
-        if self.cost_profile is not None:  # refused with the arguments, not when an engine builds its policy
-            load_cost_model(self.cost_profile)
+        if self.cost_profile is not None:
+            if not isinstance(self.cost_profile, str):
+                raise ValueError(f"sla cost_profile must be a path, got {self.cost_profile!r}")
+            load_cost_model(self.cost_profile)  # refused with the arguments, not when an engine builds its policy
         for name in ("drop_expired", "drop_unmeetable", "tenant_fairness", "protect_slos", "step_time_correction"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"sla {name} must be true or false, got {getattr(self, name)!r}")
