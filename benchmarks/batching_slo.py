@@ -495,7 +495,7 @@ def main() -> None:
                               "target_tpot_ms": ns.target_tpot_ms, "num_prompts": ns.num_prompts,
                               "max_input_len": ns.max_input_len, "max_output_len": ns.max_output_len,
                               "criteria": {k: list(v) for k, v in CRITERIA.items()},
-                              "rates": sweep(rows, [float(x) for x in ns.rate_scales.split(",")], statics, cost,
+                              "rates": sweep(rows, [float(x) for x in ns.rate_scales.split(",") if x], statics, cost,
                                              slo_args, ns.target_tpot_ms)}
     if ns.short_sweep:
         n, _, scales = ns.short_sweep.partition(":")

@@ -47,14 +47,14 @@ def test_the_step_may_last_until_the_earliest_due_token():
     young = _decoding("young", first=0.4, last=0.4, tokens=1)  # its first ITL: due at 0.495 s
     prefilling = make_request("p", 500)  # no token yet: nothing is due
     c.begin_step(0.45, [old, prefilling, young])
-    assert c._room == pytest.approx(0.045)
+    assert c.room == pytest.approx(0.045)
     c.begin_step(0.45, [old, prefilling])
-    assert c._room == pytest.approx(0.5)
+    assert c.room == pytest.approx(0.5)
     # A request behind its due time (first + 10 x 95 ms = 0.95 s, its last token at 1.2 s)
     # still gets BEHIND_SHARE of a period: it catches up, it does not stop every step.
     behind = _decoding("behind", first=0.0, last=1.2, tokens=10)
     c.begin_step(1.21, [behind])
-    assert c._room == pytest.approx(1.2 + BEHIND_SHARE * 0.095 - 1.21)
+    assert c.room == pytest.approx(1.2 + BEHIND_SHARE * 0.095 - 1.21)
     # No decoding request: no row waits for the step, the chunk is not cut at all.
     c.begin_step(1.3, [prefilling])
     assert c.cut_chunk(4000, 0, 4000, 4000, StepComposition(), 0) == 4000

@@ -11,7 +11,7 @@ from tests.core.test_batch_slo import DEEP_MODEL
 from tests.core.test_batch_slo_tpot import _controller, _decoding
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_slo import SLOBatchConfig
-from tokenweir.core.cost_model import step_composition
+from tokenweir.core.cost_model import StepComposition, chunk_composition, step_composition
 from tokenweir.core.scheduler import Scheduler
 
 
@@ -47,15 +47,15 @@ def test_a_request_sure_of_its_length_banks_the_credit_and_keeps_its_last_token_
     c = _controller()  # target 100 ms, hysteresis 0.1: credit 0.025, due period 95 ms
     period, credit = 0.095, 0.025
     c.begin_step(1.0, [_decoding("unsure", first=1.0, last=1.0, tokens=1)])
-    assert c._room == pytest.approx(period)  # no credit: its second token one period on
+    assert c.room == pytest.approx(period)  # no credit: its second token one period on
     c.begin_step(1.0, [_sure(1, last=1.0)])
-    assert c._room == pytest.approx(period * (1 + credit * 200) / (1 + credit))  # 5.8 periods
+    assert c.room == pytest.approx(period * (1 + credit * 200) / (1 + credit))  # 5.8 periods
     # The due times' slope is gentler, and the last token is due 200 periods after the first.
     for tokens in (100, 200):
         last = 1.0 + 0.01 * tokens  # ahead of its due time: the BEHIND_SHARE floor is earlier
         c.begin_step(last, [_sure(tokens, last)])
         due = 1.0 + period * (tokens + credit * 200) / (1 + credit)
-        assert c._room == pytest.approx(due - last)
+        assert c.room == pytest.approx(due - last)
     assert due == pytest.approx(1.0 + 200 * period)
 
 
@@ -80,9 +80,14 @@ def _run(sure: bool):
                                   batch_control_config=config),
                   CacheConfig(block_size=4, num_blocks=4000), cost_model=DEEP_MODEL)
     arrivals = _young_rows_and_long_prompts(sure)
-    long_steps = 0
+    long_steps, c = 0, s.batch_controller
+    adjusted_at, before = c._next_adjust, set()
     for out, _, _ in virtual_steps(s, arrivals, lambda out: DEEP_MODEL.predict(step_composition(out, s.requests))):
         long_steps += any(rid.startswith("long") for rid in out.num_scheduled_tokens)
+        if c._next_adjust != adjusted_at:  # an adjustment drops the due times of those not running
+            assert set(c._due_slopes) <= before | {r.request_id for r in s.running}
+            adjusted_at = c._next_adjust
+        before = {r.request_id for r in s.running}
     tpots = {}
     for _, r in arrivals:
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
@@ -97,3 +102,32 @@ def test_spending_the_credit_long_prompts_take_fewer_steps_and_every_tpot_stays_
     assert sure_steps < unsure_steps  # the young rows' credit lets the long prompts through
     assert max(sure_tpots.values()) <= 0.150 * (1 - 0.1 / 4)  # under the band's top, as without it
     assert max(unsure_tpots.values()) <= 0.150 * (1 - 0.1 / 4)
+
+
+def test_a_request_id_used_again_gets_the_due_times_of_its_new_request():
+    c = _controller()
+    period, credit = 0.095, 0.025
+    c.begin_step(1.0, [_sure(1, last=1.0)])
+    assert c.room == pytest.approx(period * (1 + credit * 200) / (1 + credit))
+    # The same id, a new request that may stop at any token (the first one has finished).
+    again = _decoding("sure", first=1.0, last=1.0, tokens=1)
+    c.begin_step(1.0, [again])
+    assert c.room == pytest.approx(period)
+
+
+def test_the_room_is_of_the_requests_running_when_the_first_chunk_is_cut():
+    c = _controller(DEEP_MODEL)
+    young = _decoding("young", first=1.0, last=1.0, tokens=1)  # due at 1.095 s
+    old = _decoding("old", first=0.0, last=1.0, tokens=20)  # due at 1.9 s
+    running = [young, old]
+    c.begin_step(1.0, running)
+    running.remove(young)  # preempted in this step before any chunk: it gets no token from it
+    n = c.cut_chunk(4096, 0, 4096, 4096, step_composition_of_rows(1), 0)
+    assert c.room == pytest.approx(0.9)
+    assert DEEP_MODEL.predict(step_composition_of_rows(1) + chunk_composition(n, 0, 4096, 4096)) <= 0.9
+    running.append(young)  # the room stays that of the step's first cut
+    assert c.room == pytest.approx(0.9)
+
+
+def step_composition_of_rows(n: int) -> StepComposition:
+    return StepComposition(num_decode_seqs=n, decode_context_tokens=100 * n, num_sampled=n)

@@ -81,7 +81,9 @@ margin while the static pairs that meet TPOT run their steps at it. Each decodin
 token is due by its first token's time plus the due period (the aimed-at period) times the
 tokens it has: met every time, its TPOT stays under that period after every token, whatever the
 steps' lengths were. The scheduler calls `begin_step` with the running requests before each
-step; the step may last until the earliest due token among the decoding ones (`cut_chunk` cuts
+step; the step may last until the earliest due token among the decoding ones (found when the
+step's first prompt chunk is cut, over the requests running then: a step of decode rows alone
+needs no pass over them, and one preempted before that gets no token from it; `cut_chunk` cuts
 every prefill chunk to that, not to the period; a request computing its context again after a
 recompute preemption gets no token before that prefill is done, so its due time does not count;
 with no decoding request nothing is cut: no row waits), and the
@@ -322,8 +324,14 @@ class SLOBatchController(BatchController):
         self.p99_ttft: Optional[float] = None
         self.p99_tpot: Optional[float] = None  # hold="tpot": of the requests finished since the last move
         self._tpot: deque[tuple[float, float]] = deque()  # hold="tpot": (time, tpot) of finished requests
-        # hold="tpot": how long the step being scheduled may last, until its earliest due token.
-        self._room = math.inf
+        # hold="tpot": how long the step being scheduled may last, until its earliest due token
+        # (None: not yet found this step; see `room`), and the step's time and running requests.
+        self._room: Optional[float] = math.inf
+        self._step_now = 0.0
+        self._step_running: Sequence[Request] = ()
+        # request id -> (the request, offset, slope) of its due times (see _earliest_due); those
+        # no longer running are dropped at each adjustment.
+        self._due_slopes: dict[str, tuple[Request, float, float]] = {}
         # hold="tpot": the share of a period per ITL that a request sure of its length may bank
         # (see the docstring). Its later tokens are then due 1 / (1 + credit) periods apart, so a
         # larger credit leaves less room to catch up after a step longer than predicted.
@@ -398,29 +406,54 @@ class SLOBatchController(BatchController):
         return self.limits
 
     def begin_step(self, now: float, running: Sequence[Request]) -> None:
-        if not self._hold_tpot:
-            return
+        if self._hold_tpot:
+            # The earliest due token is found when a chunk is first cut (`room`): a step of
+            # decode rows alone (most steps under a full batch) needs no pass over them.
+            self._step_now, self._step_running, self._room = now, running, None
+
+    @property
+    def room(self) -> float:
+        """hold="tpot": how long the step being scheduled may last, until the earliest due token
+        of the requests running when its first chunk is cut (one preempted before that gets no
+        token from this step); inf without a decoding one."""
+        if self._room is None:
+            self._room = self._earliest_due(self._step_running) - self._step_now
+        return self._room
+
+    def _earliest_due(self, running: Sequence[Request]) -> float:
         # A decoding request keeps its TPOT (its mean ITL so far) under the due period if its
         # next token comes by its first token's time plus that period per token it has; one
         # behind that (a step longer than predicted, a preemption) still gets BEHIND_SHARE of a
         # period, catching up by the rest per step.
         period = self.target * self.bias
         behind, credit = BEHIND_SHARE * period, self._credit
-        earliest = math.inf
+        earliest, slopes = math.inf, self._due_slopes
         for request in running:
             first = request.first_token_time
             # Only a decoding row (one token left to compute) gets a token this step: one
             # computing its context again after a recompute preemption gets none until that
             # prefill is done, and its due time (long past) would cut that prefill, and every
             # other prompt's, to the floor.
-            if first is not None and len(request.all_token_ids) - request.num_computed_tokens == 1:
+            if first is None:
+                continue
+            num_tokens = len(request.all_token_ids)
+            if num_tokens - request.num_computed_tokens != 1:
+                continue
+            # Its next token is due `offset + slope x tokens` periods after its first (`tokens`:
+            # prompt and output, the offset taking the prompt out): constants of the request,
+            # found once (this pass runs before most steps).
+            entry = slopes.get(request.request_id)
+            if entry is None or entry[0] is not request:
                 sure = credit * max(0, request.least_num_output_tokens - 1)
-                due = first + period * (len(request.output_token_ids) + sure) / (1 + credit if sure else 1)
-                floor = request.last_token_time + behind
-                due = due if due > floor else floor
-                if due < earliest:
-                    earliest = due
-        self._room = earliest - now
+                slope = 1 / (1 + credit) if sure else 1.0
+                entry = slopes[request.request_id] = (request, (sure - request.num_prompt_tokens) * slope, slope)
+            due = first + period * (entry[1] + entry[2] * num_tokens)
+            floor = request.last_token_time + behind
+            if floor > due:
+                due = floor
+            if due < earliest:
+                earliest = due
+        return earliest
 
     def on_step(self, obs: StepObservation) -> None:
         period = self.timing.observe(obs)  # None: no decode row waited for this step
@@ -453,7 +486,7 @@ class SLOBatchController(BatchController):
         # other step falls short. Each chunk is cut to what the period has left instead, the
         # running requests still to be visited counted as decode rows.
         # Holding TPOT the step may last until its earliest due token (none: no row waits).
-        period, predict = (self._room if self._hold_tpot else self.target * self.bias), self.timing.predict
+        period, predict = (self.room if self._hold_tpot else self.target * self.bias), self.timing.predict
         if period == math.inf:
             return num_tokens
         if pending_rows:
@@ -485,6 +518,9 @@ class SLOBatchController(BatchController):
             self._ttft.popleft()
         while len(self._tpot) > MIN_TPOTS and self._tpot[0][0] < horizon:
             self._tpot.popleft()
+        if self._due_slopes:
+            running = {request.request_id for request in self._step_running}
+            self._due_slopes = {rid: entry for rid, entry in self._due_slopes.items() if rid in running}
         violated = self._feedback_tpot(now) if self._hold_tpot else self._feedback_itl(now)
         self._adjust_reserve(now)
         self._held_back = False
