@@ -329,9 +329,6 @@ class SLOBatchController(BatchController):
         self._room: Optional[float] = math.inf
         self._step_now = 0.0
         self._step_running: Sequence[Request] = ()
-        # request id -> (the request, offset, slope) of its due times (see _earliest_due); those
-        # no longer running are dropped at each adjustment.
-        self._due_slopes: dict[str, tuple[Request, float, float]] = {}
         # hold="tpot": the share of a period per ITL that a request sure of its length may bank
         # (see the docstring). Its later tokens are then due 1 / (1 + credit) periods apart, so a
         # larger credit leaves less room to catch up after a step longer than predicted.
@@ -427,7 +424,7 @@ class SLOBatchController(BatchController):
         # period, catching up by the rest per step.
         period = self.target * self.bias
         behind, credit = BEHIND_SHARE * period, self._credit
-        earliest, slopes = math.inf, self._due_slopes
+        earliest = math.inf
         for request in running:
             first = request.first_token_time
             # Only a decoding row (one token left to compute) gets a token this step: one
@@ -439,15 +436,9 @@ class SLOBatchController(BatchController):
             num_tokens = len(request.all_token_ids)
             if num_tokens - request.num_computed_tokens != 1:
                 continue
-            # Its next token is due `offset + slope x tokens` periods after its first (`tokens`:
-            # prompt and output, the offset taking the prompt out): constants of the request,
-            # found once (this pass runs before most steps).
-            entry = slopes.get(request.request_id)
-            if entry is None or entry[0] is not request:
-                sure = credit * max(0, request.least_num_output_tokens - 1)
-                slope = 1 / (1 + credit) if sure else 1.0
-                entry = slopes[request.request_id] = (request, (sure - request.num_prompt_tokens) * slope, slope)
-            due = first + period * (entry[1] + entry[2] * num_tokens)
+            sure = credit * max(0, request.least_num_output_tokens - 1)
+            output = num_tokens - len(request.prompt_token_ids)
+            due = first + (period * (output + sure) / (1 + credit) if sure else period * output)
             floor = request.last_token_time + behind
             if floor > due:
                 due = floor
@@ -518,9 +509,6 @@ class SLOBatchController(BatchController):
             self._ttft.popleft()
         while len(self._tpot) > MIN_TPOTS and self._tpot[0][0] < horizon:
             self._tpot.popleft()
-        if self._due_slopes:
-            running = {request.request_id for request in self._step_running}
-            self._due_slopes = {rid: entry for rid, entry in self._due_slopes.items() if rid in running}
         violated = self._feedback_tpot(now) if self._hold_tpot else self._feedback_itl(now)
         self._adjust_reserve(now)
         self._held_back = False

@@ -1,0 +1,103 @@
+"""fcfs never lets a waiting request displace a running one, and says so in head_may_preempt:
+a full batch ends the step's admissions without popping and trying its next request. (vtc's
+may_preempt is never true either, but popping its queue's head moves its tie-breaking state, the
+last tenant chosen and the heap's entries, so it keeps trying: the steps could differ.) Against fcfs always trying the head,
+over random backlogs (swap mode, partial prefills, admission orders, the `slo` controller
+holding TPOT): the same steps, the same limits, the same streams; and the head is not popped
+at a full batch (no torch)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, make_request, step
+from tests.core.test_batch_slo import MODEL
+from tokenweir.config import CacheConfig, SchedulerConfig
+from tokenweir.core.batch_slo import SLOBatchConfig
+from tokenweir.core.composition import CompositionConfig
+from tokenweir.core.policies import FCFSPolicy, PriorityPolicy, VTCPolicy
+from tokenweir.core.scheduler import Scheduler
+from tokenweir.request import Request, SamplingParams, SchedulingHints
+
+POLICIES = {"fcfs": FCFSPolicy}
+
+
+def _always_tries_the_head(cls):
+    class AlwaysTries(cls):
+        def head_may_preempt(self, waiting, now: float) -> bool:
+            return True
+    return AlwaysTries
+
+
+class _PreemptiveFCFS(FCFSPolicy):
+    def may_preempt(self, waiting: Request, victim: Request, now: float) -> bool:
+        return waiting.priority < victim.priority
+
+
+@pytest.mark.parametrize("cls, says", [(FCFSPolicy, False), (_PreemptiveFCFS, True), (VTCPolicy, True),
+                                       (PriorityPolicy, True)])
+def test_fcfs_says_its_head_cannot_get_in_at_a_full_batch(cls, says):
+    s = create_scheduler(max_num_batched_tokens=64, max_num_seqs=2, policy=cls())
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 4, max_tokens=20, priority=-i))
+    runner = PagedFakeRunner(s.block_size)
+    step(s, runner, now=0.0)
+    assert len(s.running) == 2 and len(s.waiting) == 1
+    popped = []
+    pop = s.admission_order.pop
+    s.admission_order.pop = lambda batch_full: popped.append(batch_full) or pop(batch_full)
+    step(s, runner, now=1.0)
+    assert s.policy.head_may_preempt(s.waiting, 1.0) is says
+    assert popped == ([True] if says else [])  # tried (and put back) only where it might preempt
+
+
+_arrival = st.tuples(st.integers(0, 10), st.integers(1, 14), st.integers(1, 8), st.sampled_from(["a", "b", "c"]),
+                     st.integers(0, 2))
+
+
+def _req(i: int, at, prompt_len, max_tokens, tenant, prefix) -> Request:
+    base = 1000 + 50 * i
+    shared = list(range(500 + 8 * prefix, 508 + 8 * prefix))  # a few shared prefixes for cache-aware
+    return Request(f"r{i}", shared + list(range(base, base + prompt_len)),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=bool(i % 2)),
+                   arrival_time=at + i * 1e-6, eos_token_id=EOS, hints=SchedulingHints(tenant=tenant))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=st.lists(_arrival, min_size=4, max_size=24), policy=st.sampled_from(sorted(POLICIES)),
+       num_blocks=st.integers(12, 30), swap=st.booleans(), partial=st.booleans(), max_num_seqs=st.sampled_from([2, 3]),
+       order=st.sampled_from(["policy", "cache-aware", "length-aware"]), slo=st.booleans(),
+       aborts=st.lists(st.integers(0, 40), max_size=3))
+def test_the_check_changes_nothing(arrivals, policy, num_blocks, swap, partial, max_num_seqs, order, slo, aborts):
+    runs = []
+    for cls in (POLICIES[policy], _always_tries_the_head(POLICIES[policy])):
+        controller = dict(batch_controller="slo", batch_control_config=SLOBatchConfig(
+            target_tpot_ms=3.0, hold="tpot", interval=2.0, window=6.0)) if slo else {}
+        s = Scheduler(
+            SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=max_num_seqs,
+                            long_prefill_token_threshold=4 if partial else 0,
+                            max_num_partial_prefills=2 if partial else 1,
+                            composition=CompositionConfig(order), **controller),
+            CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=True,
+                        preemption_mode="swap" if swap else "recompute", num_host_blocks=40 if swap else 0),
+            policy=cls(), cost_model=MODEL if slo else None)
+        runner = PagedFakeRunner(s.block_size)
+        requests = [_req(i, *a) for i, a in enumerate(sorted(arrivals, key=lambda a: a[0]))]
+        pending = list(requests)
+        trace = []
+        t = 0
+        while pending or s.has_unfinished_requests():
+            while pending and pending[0].arrival_time <= t:
+                s.add_request(pending.pop(0))
+            if t in aborts and requests:
+                s.abort_requests([requests[t % len(requests)].request_id], now=float(t))
+            out = step(s, runner, now=float(t))
+            trace.append((t, dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids), s.num_preemptions,
+                          s.step_limits))
+            t += 1
+            assert t < 5000, "no progress"
+        assert_no_leaks(s)
+        runs.append((trace, [(r.request_id, r.status, r.output_token_ids) for r in requests]))
+    assert runs[0] == runs[1]
