@@ -169,6 +169,27 @@ def step(scheduler: Scheduler, runner: PagedFakeRunner, now: float = 0.0) -> Sch
     return out
 
 
+def traced_run(scheduler: Scheduler, requests: list[Request], aborts: list[int] = (),
+               extra: Callable[[Scheduler], object] = lambda s: None) -> tuple[list[tuple], list[tuple]]:
+    """Steps at t = 0, 1, 2, ... until every request (added once t reaches its arrival_time,
+    `requests` in arrival order) is done, aborting requests[t % n] at each t in `aborts`; every
+    step checked (`step`), no leaks after. (Per step: t, its scheduled tokens, its preempted ids,
+    the preemptions so far, `extra(scheduler)`; per request: id, status, output.)"""
+    runner, pending, trace, t = PagedFakeRunner(scheduler.block_size), list(requests), [], 0
+    while pending or scheduler.has_unfinished_requests():
+        while pending and pending[0].arrival_time <= t:
+            scheduler.add_request(pending.pop(0))
+        if t in aborts and requests:
+            scheduler.abort_requests([requests[t % len(requests)].request_id], now=float(t))
+        out = step(scheduler, runner, now=float(t))
+        trace.append((t, dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids), scheduler.num_preemptions,
+                      extra(scheduler)))
+        t += 1
+        assert t < 5000, "no progress"
+    assert_no_leaks(scheduler)
+    return trace, [(r.request_id, r.status, r.output_token_ids) for r in requests]
+
+
 def virtual_steps(scheduler: Scheduler, arrivals: list[tuple[float, Request]],
                   seconds: Callable[[SchedulerOutput], float]) -> Iterator[tuple[SchedulerOutput, float, int]]:
     """Engine steps in virtual time until every request is done: each request is added at its

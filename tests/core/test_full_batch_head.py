@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, make_request, step
+from tests.core.helpers import EOS, PagedFakeRunner, create_scheduler, make_request, step, traced_run
 from tests.core.test_batch_slo import MODEL
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_slo import SLOBatchConfig
@@ -83,21 +83,6 @@ def test_the_check_changes_nothing(arrivals, policy, num_blocks, swap, partial, 
             CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=True,
                         preemption_mode="swap" if swap else "recompute", num_host_blocks=40 if swap else 0),
             policy=cls(), cost_model=MODEL if slo else None)
-        runner = PagedFakeRunner(s.block_size)
         requests = [_req(i, *a) for i, a in enumerate(sorted(arrivals, key=lambda a: a[0]))]
-        pending = list(requests)
-        trace = []
-        t = 0
-        while pending or s.has_unfinished_requests():
-            while pending and pending[0].arrival_time <= t:
-                s.add_request(pending.pop(0))
-            if t in aborts and requests:
-                s.abort_requests([requests[t % len(requests)].request_id], now=float(t))
-            out = step(s, runner, now=float(t))
-            trace.append((t, dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids), s.num_preemptions,
-                          s.step_limits))
-            t += 1
-            assert t < 5000, "no progress"
-        assert_no_leaks(s)
-        runs.append((trace, [(r.request_id, r.status, r.output_token_ids) for r in requests]))
+        runs.append(traced_run(s, requests, aborts, lambda s: s.step_limits))
     assert runs[0] == runs[1]

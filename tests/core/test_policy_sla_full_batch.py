@@ -9,7 +9,7 @@ from __future__ import annotations
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, step
+from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, step, traced_run
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.composition import CompositionConfig
 from tokenweir.core.policies import SLAConfig, SLAPolicy
@@ -60,23 +60,8 @@ def test_the_check_changes_nothing(arrivals, max_wait, tenant_fairness, preempt_
             CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=True,
                         preemption_mode="swap" if swap else "recompute", num_host_blocks=40 if swap else 0),
             policy=policy)
-        runner = PagedFakeRunner(s.block_size)
         requests = [_req(i, *a) for i, a in enumerate(sorted(arrivals, key=lambda a: a[0]))]
-        pending = list(requests)
-        trace = []
-        t = 0
-        while pending or s.has_unfinished_requests():
-            while pending and pending[0].arrival_time <= t:
-                s.add_request(pending.pop(0))
-            if t in aborts and requests:
-                s.abort_requests([requests[t % len(requests)].request_id], now=float(t))
-            out = step(s, runner, now=float(t))
-            trace.append((t, dict(out.num_scheduled_tokens), sorted(out.preempted_req_ids), s.num_preemptions,
-                          dict(s.num_preemptions_by_mode)))
-            t += 1
-            assert t < 5000, "no progress"
-        assert_no_leaks(s)
-        runs.append((trace, [(r.request_id, r.status, r.output_token_ids) for r in requests]))
+        runs.append(traced_run(s, requests, aborts, lambda s: dict(s.num_preemptions_by_mode)))
     assert runs[0] == runs[1]
 
 
