@@ -61,14 +61,14 @@ def _req(i: int, at, prompt_len, max_tokens, tenant, prefix) -> Request:
     base = 1000 + 50 * i
     shared = list(range(500 + 8 * prefix, 508 + 8 * prefix))  # a few shared prefixes for cache-aware
     return Request(f"r{i}", shared + list(range(base, base + prompt_len)),
-                   SamplingParams(max_tokens=max_tokens, ignore_eos=bool(i % 2)),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=bool(i % 2), temperature=0.0 if i % 3 else 0.8),
                    arrival_time=at + i * 1e-6, eos_token_id=EOS, hints=SchedulingHints(tenant=tenant))
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(arrivals=st.lists(_arrival, min_size=4, max_size=24), policy=st.sampled_from(sorted(POLICIES)),
        num_blocks=st.integers(12, 30), swap=st.booleans(), partial=st.booleans(), max_num_seqs=st.sampled_from([2, 3]),
-       order=st.sampled_from(["policy", "cache-aware", "length-aware"]), slo=st.booleans(),
+       order=st.sampled_from(["policy", "cache-aware", "length-aware", "sampling-grouped"]), slo=st.booleans(),
        aborts=st.lists(st.integers(0, 40), max_size=3))
 def test_the_check_changes_nothing(arrivals, policy, num_blocks, swap, partial, max_num_seqs, order, slo, aborts):
     runs = []
