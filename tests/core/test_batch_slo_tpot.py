@@ -137,3 +137,27 @@ def test_holding_tpot_every_request_meets_it_while_steps_outlast_it_and_prompts_
     assert max(periods) > 0.15  # `tpot` lets a step outlast the target where the rows have slack...
     assert max(tpots.values()) <= 0.15  # ...and every request's TPOT stays under it
     assert long_steps < itl_long_steps  # the long prompts go through in fewer steps
+
+
+def test_a_request_swapped_in_during_the_step_does_not_cut_its_chunks_to_the_floor():
+    # "s" is swapped out and back in; in the step it comes back its first and last tokens
+    # predate the swap-out, so its due time is long past: counted, it would make the room
+    # negative and cut the waiting prompt's chunk to MIN_CHUNK_TOKENS.
+    config = SLOBatchConfig(target_tpot_ms=100.0, hold="tpot", initial_num_batched_tokens=64, initial_num_seqs=4,
+                            interval=1000.0, window=1000.0)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, batch_controller="slo",
+                                  batch_control_config=config),
+                  CacheConfig(block_size=4, num_blocks=16, enable_prefix_caching=False, preemption_mode="swap",
+                              num_host_blocks=32), cost_model=MODEL)
+    c = s.batch_controller
+    arrivals = [(0.0, make_request("d", 20, max_tokens=16, ignore_eos=True)),
+                (0.001, make_request("s", 20, max_tokens=30, ignore_eos=True, arrival_time=0.001)),
+                (0.5, make_request("p", 24, max_tokens=2, ignore_eos=True, arrival_time=0.5))]
+    swapped_in = rooms = 0
+    for out, _, _ in virtual_steps(s, arrivals, lambda out: 0.09):
+        swapped_in += bool(out.blocks_to_swap_in)
+        if c._room is not None and c._room != float("inf"):
+            rooms += 1
+            assert c._room > 0
+    assert swapped_in and rooms  # the case happened, and rooms were found
+    assert_no_leaks(s)

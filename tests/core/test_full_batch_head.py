@@ -12,7 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.core.helpers import EOS, PagedFakeRunner, create_scheduler, make_request, step, traced_run
+from tests.core.helpers import (EOS, PagedFakeRunner, assert_no_leaks, create_scheduler, make_request, step,
+                                traced_run, virtual_steps)
 from tests.core.test_batch_slo import MODEL
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_slo import SLOBatchConfig
@@ -86,3 +87,32 @@ def test_the_check_changes_nothing(arrivals, policy, num_blocks, swap, partial, 
         requests = [_req(i, *a) for i, a in enumerate(sorted(arrivals, key=lambda a: a[0]))]
         runs.append(traced_run(s, requests, aborts, lambda s: s.step_limits))
     assert runs[0] == runs[1]
+
+
+def _held_back_at_adjustments(policy_cls, hold: str) -> tuple[list, list]:
+    """A full cap of 2 with a prompt waiting, a running request finishing: the steps, and what
+    each adjustment of `slo` read as held back."""
+    config = SLOBatchConfig(target_tpot_ms=100.0, hold=hold, initial_num_batched_tokens=64, initial_num_seqs=2,
+                            interval=0.001, window=1000.0)
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2, batch_controller="slo",
+                                  batch_control_config=config),
+                  CacheConfig(block_size=4, num_blocks=64, enable_prefix_caching=False),
+                  policy=policy_cls(), cost_model=MODEL)
+    c, seen = s.batch_controller, []
+    adjust = c._adjust
+    c._adjust = lambda now: (seen.append((round(now, 3), c._held_back)), adjust(now))
+    arrivals = [(0.0, make_request("a", 8, max_tokens=3, ignore_eos=True, arrival_time=0.0)),
+                (0.0, make_request("b", 8, max_tokens=10, ignore_eos=True, arrival_time=0.001)),
+                (0.0, make_request("h", 100, max_tokens=2, ignore_eos=True, arrival_time=0.002))]
+    steps = [(round(now, 3), dict(out.num_scheduled_tokens)) for out, now, _ in virtual_steps(s, arrivals, lambda out: 0.03)]
+    assert_no_leaks(s)
+    return steps, seen
+
+
+@pytest.mark.parametrize("hold", ["itl", "tpot"])
+def test_a_full_cap_still_counts_as_holding_back_for_the_controllers_feedback(hold):
+    # Trying the head at a full cap asked the controller to cut its chunk, which marked the
+    # step as held back; not trying it, the step's own rows at the cap must (a request that
+    # finished in the step leaves the running count under it).
+    assert (_held_back_at_adjustments(FCFSPolicy, hold)
+            == _held_back_at_adjustments(_always_tries_the_head(FCFSPolicy), hold))

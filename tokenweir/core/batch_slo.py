@@ -82,8 +82,9 @@ token is due by its first token's time plus the due period (the aimed-at period)
 tokens it has: met every time, its TPOT stays under that period after every token, whatever the
 steps' lengths were. The scheduler calls `begin_step` with the running requests before each
 step; the step may last until the earliest due token among the decoding ones (found when the
-step's first prompt chunk is cut, over the requests running then: a step of decode rows alone
-needs no pass over them, and one preempted before that gets no token from it; `cut_chunk` cuts
+step's first prompt chunk is cut, over those that ran at the step's start: a step of decode
+rows alone needs no pass over them, one preempted by recompute before that gets no token from
+it, and one swapped in during the step is left out, as its times predate its swap-out; `cut_chunk` cuts
 every prefill chunk to that, not to the period; a request computing its context again after a
 recompute preemption gets no token before that prefill is done, so its due time does not count;
 with no decoding request nothing is cut: no row waits), and the
@@ -405,14 +406,17 @@ class SLOBatchController(BatchController):
     def begin_step(self, now: float, running: Sequence[Request]) -> None:
         if self._hold_tpot:
             # The earliest due token is found when a chunk is first cut (`room`): a step of
-            # decode rows alone (most steps under a full batch) needs no pass over them.
-            self._step_now, self._step_running, self._room = now, running, None
+            # decode rows alone (most steps under a full batch) needs no pass over them. Of the
+            # requests running now: one swapped in later in the step is decoding, but its first
+            # and last tokens date from before it was swapped out (its due time long past would
+            # cut every chunk to the floor); the token this step gives it makes them fresh.
+            self._step_now, self._step_running, self._room = now, list(running), None
 
     @property
     def room(self) -> float:
         """hold="tpot": how long the step being scheduled may last, until the earliest due token
-        of the requests running when its first chunk is cut (one preempted before that gets no
-        token from this step); inf without a decoding one."""
+        of the requests that ran at its start and still decode when its first chunk is cut (one
+        preempted by recompute before that gets no token from this step); inf without one."""
         if self._room is None:
             self._room = self._earliest_due(self._step_running) - self._step_now
         return self._room
@@ -462,9 +466,12 @@ class SLOBatchController(BatchController):
         self._num_running = obs.num_running
         self._peak_running = max(self._peak_running, obs.num_running)
         self._kv_cache_usage = obs.kv_cache_usage
-        limits = self.limits
-        if (obs.composition.num_tokens >= limits.max_num_batched_tokens
-                or (obs.num_waiting and obs.num_running >= limits.max_num_seqs)):
+        limits, comp = self.limits, obs.composition
+        # The cap held requests back if it was full while they waited: full in the step (its
+        # rows), or after it (a request that finished in the step no longer runs).
+        seqs = comp.num_decode_seqs + comp.num_prefill_seqs
+        if (comp.num_tokens >= limits.max_num_batched_tokens
+                or (obs.num_waiting and max(obs.num_running, seqs) >= limits.max_num_seqs)):
             self._held_back = True
             if obs.num_waiting > 0:
                 self._queued_at = obs.now
