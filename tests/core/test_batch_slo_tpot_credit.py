@@ -111,18 +111,32 @@ def test_a_request_id_used_again_gets_the_due_times_of_its_new_request():
     assert c.room == pytest.approx(period)
 
 
-def test_the_room_is_of_the_requests_running_when_the_first_chunk_is_cut():
+def test_a_request_preempted_by_recompute_before_the_first_cut_does_not_count():
     c = _controller(DEEP_MODEL)
     young = _decoding("young", first=1.0, last=1.0, tokens=1)  # due at 1.095 s
     old = _decoding("old", first=0.0, last=1.0, tokens=20)  # due at 1.9 s
     running = [young, old]
     c.begin_step(1.0, running)
-    running.remove(young)  # preempted in this step before any chunk: it gets no token from it
+    # Preempted by recompute in this step before any chunk (its context to compute again): it
+    # gets no token from this step, so its due time does not count.
+    running.remove(young)
+    young.num_computed_tokens = 0
     n = c.cut_chunk(4096, 0, 4096, 4096, step_composition_of_rows(1), 0)
     assert c.room == pytest.approx(0.9)
     assert DEEP_MODEL.predict(step_composition_of_rows(1) + chunk_composition(n, 0, 4096, 4096)) <= 0.9
-    running.append(young)  # the room stays that of the step's first cut
+    young.num_computed_tokens = len(young.all_token_ids) - 1  # the room stays that of the first cut
     assert c.room == pytest.approx(0.9)
+
+
+def test_a_request_swapped_out_in_the_step_still_counts():
+    # The room is of the requests that ran at the step's start: one swapped out later in the
+    # step keeps its state (decoding), and counts as before the room was found lazily.
+    c = _controller(DEEP_MODEL)
+    young = _decoding("young", first=1.0, last=1.0, tokens=1)  # due at 1.095 s
+    running = [young, _decoding("old", first=0.0, last=1.0, tokens=20)]
+    c.begin_step(1.0, running)
+    running.remove(young)
+    assert c.room == pytest.approx(0.095)
 
 
 def step_composition_of_rows(n: int) -> StepComposition:
