@@ -121,9 +121,9 @@ def test_a_request_preempted_by_recompute_before_the_first_cut_does_not_count():
     # gets no token from this step, so its due time does not count.
     running.remove(young)
     young.num_computed_tokens = 0
-    n = c.cut_chunk(4096, 0, 4096, 4096, step_composition_of_rows(1), 0)
+    n = c.cut_chunk(4096, 0, 4096, 4096, _rows(1), 0)
     assert c.room == pytest.approx(0.9)
-    assert DEEP_MODEL.predict(step_composition_of_rows(1) + chunk_composition(n, 0, 4096, 4096)) <= 0.9
+    assert DEEP_MODEL.predict(_rows(1) + chunk_composition(n, 0, 4096, 4096)) <= 0.9
     young.num_computed_tokens = len(young.all_token_ids) - 1  # the room stays that of the first cut
     assert c.room == pytest.approx(0.9)
 
@@ -139,5 +139,5 @@ def test_a_request_swapped_out_in_the_step_still_counts():
     assert c.room == pytest.approx(0.095)
 
 
-def step_composition_of_rows(n: int) -> StepComposition:
+def _rows(n: int) -> StepComposition:
     return StepComposition(num_decode_seqs=n, decode_context_tokens=100 * n, num_sampled=n)

@@ -84,11 +84,11 @@ steps' lengths were. The scheduler calls `begin_step` with the running requests 
 step; the step may last until the earliest due token among the decoding ones (found when the
 step's first prompt chunk is cut, over those that ran at the step's start: a step of decode
 rows alone needs no pass over them, one preempted by recompute before that gets no token from
-it, and one swapped in during the step is left out, as its times predate its swap-out; `cut_chunk` cuts
-every prefill chunk to that, not to the period; a request computing its context again after a
-recompute preemption gets no token before that prefill is done, so its due time does not count;
-with no decoding request nothing is cut: no row waits), and the
-token budget is the maximum (the cut does what it did). A request behind its due time (a step
+it, and one swapped in during the step is left out, as its times predate its swap-out;
+`cut_chunk` cuts every prefill chunk to that, not to the period; a request computing its
+context again after a recompute preemption gets no token before that prefill is done, so its
+due time does not count; with no decoding request nothing is cut: no row waits), and the token
+budget is the maximum (the cut does what it did). A request behind its due time (a step
 longer than predicted, a preemption) still gets `BEHIND_SHARE` of a period for its next token:
 it catches up by the rest each step, and one far behind does not hold every step to nothing.
 A request sure of the N tokens it will have (it ignores EOS, has no stop ids or strings, and
@@ -441,7 +441,7 @@ class SLOBatchController(BatchController):
             if num_tokens - request.num_computed_tokens != 1:
                 continue
             sure = credit * max(0, request.least_num_output_tokens - 1)
-            output = num_tokens - len(request.prompt_token_ids)
+            output = len(request.output_token_ids)
             due = first + (period * (output + sure) / (1 + credit) if sure else period * output)
             floor = request.last_token_time + behind
             if floor > due:
