@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -129,3 +130,10 @@ def test_the_shipped_profile_loads_and_describes_the_default_model() -> None:
     decode = model.predict(StepComposition(num_decode_seqs=8, decode_context_tokens=8 * 300, num_sampled=8))
     prefill = model.predict(chunk_composition(512, 0, 512, 512))
     assert 0.001 < decode < prefill
+
+
+def test_adding_compositions_adds_every_field():
+    fields = [f.name for f in dataclasses.fields(StepComposition)]
+    a = StepComposition(*range(1, len(fields) + 1))
+    b = StepComposition(*(10 ** i for i in range(len(fields))))
+    assert [getattr(a + b, f) for f in fields] == [getattr(a, f) + getattr(b, f) for f in fields]

@@ -13,6 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, ClassVar, Optional
 
 from tokenweir.checks import is_integer
@@ -54,28 +55,36 @@ class StepObservation:
     kv_cache_usage: float  # 0..1
     # Seconds per output token after the first (TPOT), of the requests that finished now.
     tpots: Sequence[float] = ()
+    # Every request still running ran in the step: each decoding one got its last token `now`
+    # (a controller may bound their next due times by it without a pass over them).
+    all_running_ran: bool = False
+
+
+_num_computed_tokens = attrgetter("num_computed_tokens")
 
 
 def observe_step(out: SchedulerOutput, composition: StepComposition, updates: Sequence[RequestUpdate],
                  finished: Sequence[Request], running: Sequence[Request], num_waiting: int, kv_cache_usage: float,
-                 now: float) -> StepObservation:
+                 now: float, first_tokens: Sequence[Request], num_dropped: int) -> StepObservation:
     """`composition`: what the step computed, as the scheduler tallied it while building the
     step (StepTally: its prefill chunks exactly, its decode rows with their own context);
-    `finished`: the requests the step finished."""
-    # A request whose outputs are all this step's got its first token now; every other one
-    # waited an ITL. (One comprehension, the list read directly: this runs every step for every
-    # scheduled request, and the loop with the property call cost half again as much.)
-    ttfts = [now - r.arrival_time for u in updates if len((r := u.request).output_token_ids) <= len(u.new_token_ids)]
+    `finished`: the requests the step finished; `first_tokens`: those whose first token came
+    now; `num_dropped`: how many requests it scheduled were aborted before its results came back."""
+    scheduled = out.num_scheduled_tokens
+    ttfts = [now - r.arrival_time for r in first_tokens]
     num_itl = len(updates) - len(ttfts)
     tpots = [(now - r.first_token_time) / (n - 1) for r in finished if (n := len(r.output_token_ids)) > 1]
     # Steady decode (every running request decoded, none finished): the decode rows are the
     # running requests, their context after the step the decode rows' context.
-    steady = (not out.prefill_num_computed_tokens and len(updates) == len(running)
-              == len(out.num_scheduled_tokens))
+    steady = not out.prefill_num_computed_tokens and len(updates) == len(running) == len(scheduled)
     running_context = (composition.decode_context_tokens if steady
-                       else sum(r.num_computed_tokens for r in running))
+                       else sum(map(_num_computed_tokens, running)))
+    # The scheduled requests still running are those neither finished nor dropped; the running
+    # ones all ran if there are as many of them (a running request the step left out, its
+    # budget spent, has its last token from an earlier step).
+    all_ran = len(running) == len(scheduled) - len(finished) - num_dropped
     return StepObservation(now, composition, num_itl, ttfts, len(running), num_waiting, running_context,
-                           kv_cache_usage, tpots)
+                           kv_cache_usage, tpots, all_ran)
 
 
 class BatchController(ABC):

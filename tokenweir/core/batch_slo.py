@@ -81,10 +81,14 @@ margin while the static pairs that meet TPOT run their steps at it. Each decodin
 token is due by its first token's time plus the due period (the aimed-at period) times the
 tokens it has: met every time, its TPOT stays under that period after every token, whatever the
 steps' lengths were. The scheduler calls `begin_step` with the running requests before each
-step; the step may last until the earliest due token among the decoding ones (found when the
-step's first prompt chunk is cut, over those that ran at the step's start: a step of decode
-rows alone needs no pass over them, one preempted by recompute before that gets no token from
-it, and one swapped in during the step is left out, as its times predate its swap-out;
+step; the step may last until the earliest due token among the decoding ones (found when a
+chunk is first cut that a bound known without a pass does not settle, over those that ran at
+the step's start: a step of decode rows alone needs no pass over them, one preempted by
+recompute before that gets no token from it, and one swapped in during the step is left out,
+as its times predate its swap-out; the bound: if every request running at the step's start ran
+in the step before, as its observation says, each decoding one got its last token when that
+step's results came back, and none is due before `BEHIND_SHARE` of a period after that, so a
+chunk that fits in what is left of it fits under the room, and in steady churn no pass is made;
 `cut_chunk` cuts every prefill chunk to that, not to the period; a request computing its
 context again after a recompute preemption gets no token before that prefill is done, so its
 due time does not count; with no decoding request nothing is cut: no row waits), and the token
@@ -330,6 +334,11 @@ class SLOBatchController(BatchController):
         self._room: Optional[float] = math.inf
         self._step_now = 0.0
         self._step_running: Sequence[Request] = ()
+        # hold="tpot": when the results came back of the last step observed, if every request
+        # still running ran in it (None otherwise); taken by the next step (`_least_room`), as
+        # a step that fails is not observed.
+        self._all_ran_at: Optional[float] = None
+        self._step_all_ran_at: Optional[float] = None
         # hold="tpot": the share of a period per ITL that a request sure of its length may bank
         # (see the docstring). Its later tokens are then due 1 / (1 + credit) periods apart, so a
         # larger credit leaves less room to catch up after a step longer than predicted.
@@ -411,15 +420,24 @@ class SLOBatchController(BatchController):
             # and last tokens date from before it was swapped out (its due time long past would
             # cut every chunk to the floor); the token this step gives it makes them fresh.
             self._step_now, self._step_running, self._room = now, list(running), None
+            self._step_all_ran_at, self._all_ran_at = self._all_ran_at, None
 
     @property
     def room(self) -> float:
         """hold="tpot": how long the step being scheduled may last, until the earliest due token
-        of the requests that ran at its start and still decode when its first chunk is cut (one
+        of the requests that ran at its start and still decode when it is first asked for (one
         preempted by recompute before that gets no token from this step); inf without one."""
         if self._room is None:
             self._room = self._earliest_due(self._step_running) - self._step_now
         return self._room
+
+    def _least_room(self) -> Optional[float]:
+        """hold="tpot": a lower bound of `room` known without a pass over the running requests
+        (None: none is). If every request running at the step's start ran in the step before,
+        each decoding one got its last token when that step's results came back, and its next
+        token is due no earlier than BEHIND_SHARE of a period after that (its due time's floor)."""
+        ran_at = self._step_all_ran_at
+        return None if ran_at is None else ran_at + BEHIND_SHARE * (self.target * self.bias) - self._step_now
 
     def _earliest_due(self, running: Sequence[Request]) -> float:
         # A decoding request keeps its TPOT (its mean ITL so far) under the due period if its
@@ -461,6 +479,7 @@ class SLOBatchController(BatchController):
         if self._hold_tpot:
             for tpot in obs.tpots:
                 self._tpot.append((obs.now, tpot))
+            self._all_ran_at = obs.now if obs.all_running_ran else None
         if obs.num_running:
             self._context_per_request = obs.running_context_tokens / obs.num_running
         self._num_running = obs.num_running
@@ -484,7 +503,7 @@ class SLOBatchController(BatchController):
         # other step falls short. Each chunk is cut to what the period has left instead, the
         # running requests still to be visited counted as decode rows.
         # Holding TPOT the step may last until its earliest due token (none: no row waits).
-        period, predict = (self.room if self._hold_tpot else self.target * self.bias), self.timing.predict
+        period, predict = (self._room if self._hold_tpot else self.target * self.bias), self.timing.predict
         if period == math.inf:
             return num_tokens
         if pending_rows:
@@ -492,15 +511,21 @@ class SLOBatchController(BatchController):
                 num_decode_seqs=pending_rows, decode_context_tokens=math.ceil(pending_rows * self._context_per_request),
                 num_sampled=pending_rows)
 
-        def fits(n: int) -> bool:
-            return predict(step + chunk_composition(n, num_computed, total_tokens, num_prompt_tokens)) <= period
+        def seconds(n: int) -> float:
+            return predict(step + chunk_composition(n, num_computed, total_tokens, num_prompt_tokens))
 
-        if fits(num_tokens):
+        whole = seconds(num_tokens)
+        if period is None:  # holding TPOT, the room not found yet this step
+            least = self._least_room()
+            if least is not None and whole <= least:
+                return num_tokens  # it fits whatever the room: no pass over the running requests
+            period = self.room
+        if whole <= period:
             return num_tokens
         self._held_back = True
         floor = min(num_tokens, MIN_CHUNK_TOKENS)
-        if fits(floor):
-            return largest(floor, num_tokens, fits)
+        if seconds(floor) <= period:
+            return largest(floor, num_tokens, lambda n: seconds(n) <= period)
         return floor if step.num_prefill_seqs == 0 else 0
 
     # ------------------------------------------------------------------ decisions

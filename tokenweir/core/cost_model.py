@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from operator import mul
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -56,7 +57,13 @@ class StepComposition:
         return self.num_prefill_seqs + self.num_decode_seqs
 
     def __add__(self, other: StepComposition) -> StepComposition:
-        return StepComposition(*(getattr(self, f) + getattr(other, f) for f in self.__slots__))
+        # Field by field, not a loop over the slots: the SLO controller adds compositions for
+        # every prefill chunk it cuts.
+        return StepComposition(
+            self.num_prefill_tokens + other.num_prefill_tokens, self.num_prefill_seqs + other.num_prefill_seqs,
+            self.num_decode_seqs + other.num_decode_seqs, self.decode_context_tokens + other.decode_context_tokens,
+            self.prefill_attention_pairs + other.prefill_attention_pairs, self.num_sampled + other.num_sampled,
+            self.swap_bytes + other.swap_bytes)
 
 
 def chunk_composition(num_tokens: int, num_computed: int, total_tokens: int,
@@ -133,25 +140,24 @@ def step_composition(out: SchedulerOutput, requests: Mapping[str, Request],
     return total
 
 
-# name -> how the feature is read from a composition, the profile's small-step bound and its
-# decode knee. The fitted coefficients are seconds per unit of the feature.
-FEATURES: dict[str, Callable[[StepComposition, int, int], float]] = {
-    "step": lambda c, small, knee: 1.0,
-    "tokens": lambda c, small, knee: c.num_tokens,
-    "seqs": lambda c, small, knee: c.num_seqs,
-    "decode_context": lambda c, small, knee: c.decode_context_tokens,
-    "prefill_attention": lambda c, small, knee: c.prefill_attention_pairs,
-    "sampled": lambda c, small, knee: c.num_sampled,
-    # `tokenweir serve --engine-in-process` runs steps of a few tokens on one thread fewer
-    # (serving_threads.py): such a step pays a fixed extra that a larger one does not.
-    "small_step": lambda c, small, knee: float(0 < c.num_tokens <= small),
-    # Decode rows beyond the knee (0: the profile has none).
-    "decode_beyond_knee": lambda c, small, knee: max(0, c.num_decode_seqs - knee) if knee else 0,
-}
+# The features, in the order of feature_vector's values; the fitted coefficients are seconds
+# per unit of each.
+FEATURES = ("step", "tokens", "seqs", "decode_context", "prefill_attention", "sampled", "small_step",
+            "decode_beyond_knee")
 
 
-def feature_vector(comp: StepComposition, small_step_max_tokens: int = 0, decode_knee: int = 0) -> list[float]:
-    return [float(f(comp, small_step_max_tokens, decode_knee)) for f in FEATURES.values()]
+def feature_vector(comp: StepComposition, small_step_max_tokens: int = 0,
+                   decode_knee: int = 0) -> tuple[float, ...]:
+    """Each feature of FEATURES read from a composition, given the profile's small-step bound
+    and its decode knee. (One function, not one per feature: it runs for every prediction.)"""
+    tokens, decode = comp.num_prefill_tokens + comp.num_decode_seqs, comp.num_decode_seqs
+    return (1.0, tokens, comp.num_prefill_seqs + decode, comp.decode_context_tokens, comp.prefill_attention_pairs,
+            comp.num_sampled,
+            # `tokenweir serve --engine-in-process` runs steps of a few tokens on one thread
+            # fewer (serving_threads.py): such a step pays a fixed extra that a larger one does not.
+            float(0 < tokens <= small_step_max_tokens),
+            # Decode rows beyond the knee (0: the profile has none).
+            max(0, decode - decode_knee) if decode_knee else 0)
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,7 @@ class StepCostModel:
         if comp.num_tokens == 0 and comp.swap_bytes == 0:
             return 0.0
         features = feature_vector(comp, self.small_step_max_tokens, self.decode_knee)
-        compute = sum(w * x for w, x in zip(self._weights, features)) if comp.num_tokens else 0.0
+        compute = sum(map(mul, self._weights, features)) if comp.num_tokens else 0.0
         return compute + comp.swap_bytes / self.swap_bytes_per_second
 
     def prefill_seconds(self, num_tokens: int, num_context: int = 0) -> float:

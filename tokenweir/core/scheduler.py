@@ -803,9 +803,11 @@ class Scheduler:
         feedback = self._policy_wants_feedback
         served = StepServed()
         finished: list[Request] = []
+        first_tokens: list[Request] = []  # whose first token this step sampled
+        num_dropped = 0
         # Bound once: the loop runs for every scheduled request of every step.
         requests, cache_blocks, check_stop = in_flight.requests, self.kv_cache_manager.cache_blocks, self._check_stop
-        add_update = updates.append
+        add_update, add_first = updates.append, first_tokens.append
         add_served = served.requests.append
         add_computed, add_recomputed = served.num_computed_tokens.append, served.num_recomputed_tokens.append
         add_output, add_decode = served.num_output_tokens.append, served.decode_requests.append
@@ -813,6 +815,7 @@ class Scheduler:
             for request_id, num_tokens in scheduler_output.num_scheduled_tokens.items():
                 request = requests[request_id]
                 if request.status is not _RUNNING:
+                    num_dropped += 1
                     continue  # aborted after it was scheduled (its id may already be reused)
                 start = request.num_computed_tokens
                 end = request.num_computed_tokens = start + num_tokens
@@ -827,6 +830,8 @@ class Scheduler:
                     sampled = sampled_token_ids.get(request_id)
                     if not sampled:
                         raise RuntimeError(f"request {request_id!r} finished its prefill but no token was sampled")
+                    if not request.output_token_ids:
+                        add_first(request)
                     for token_id in sampled:
                         num_output += 1
                         if request.append_output_token(token_id, now):
@@ -853,7 +858,8 @@ class Scheduler:
             self.policy.on_step_served(served, now)
         if self._controller_observes or self._policy_observes:
             observation = observe_step(scheduler_output, in_flight.tally.composition(), updates, finished,
-                                       self.running, len(self.waiting), self.kv_cache_manager.get_usage(), now)
+                                       self.running, len(self.waiting), self.kv_cache_manager.get_usage(), now,
+                                       first_tokens, num_dropped)
             if self._controller_observes:
                 self.batch_controller.on_step(observation)
             if self._policy_observes:
