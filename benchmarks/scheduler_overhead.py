@@ -454,10 +454,13 @@ def main() -> None:
               "object of the process (here the 10,000 waiting requests; in a server also the "
               "model's): one such collection is a pause of tens of milliseconds or more inside one step. "
               f"Cases with collections in this run: {'; '.join(collected) if collected else 'none'}.", "",
-              "`--batch-controller slo` adds to the fcfs step one pass over the step's updates and one "
-              "sum over the running requests' computed tokens (the `StepObservation` it learns from), "
-              "a prediction of that step, and once per adjustment interval (1 s, 50 steps of this "
-              "clock) a sort of the window's step periods and two binary searches over the cost model.",
+              "`--batch-controller slo` adds to the fcfs step, unless every request decoded and none "
+              "finished, one sum over the running requests' computed tokens (the `StepObservation` it "
+              "learns from), a prediction of that step and one of each prompt chunk it admits, and once "
+              "per adjustment interval (1 s, 50 steps of this clock) a sort of the window's step periods "
+              "and two binary searches over the cost model. Holding TPOT it also copies the running list "
+              "each step, and passes over the running requests' due times only when a chunk does not fit "
+              "under the bound the last step's observation gives (in these cases it fits at every step after the first).",
               "", "Paired before/after runs of earlier optimisations: `scheduler_history.md`.", ""]
     at_256 = [r for r in results if r["num_running"] == 256]
     slowest = max(at_256[1:], key=lambda r: r["cpu_ms_per_step"])
