@@ -1,16 +1,16 @@
 """`slo` holding TPOT skips its pass over the running requests' due times when a chunk fits
-under a bound known without it: if every request running at the step's start ran in the step
-before, each decoding one got its last token when that step's results came back, and none is
-due before BEHIND_SHARE of a period after that. The scheduler tells it through the step's
-observation (`all_running_ran`). Checked here: the bound never exceeds the room, every cut
-equals the cut with the room found, the pass is skipped where it can be and made where the
-bound does not hold (a failed step, a request the step left out), and what the observation
-reports (no torch)."""
+under a bound known without it: if every running request with output tokens got one when the
+step before's results came back, none is due before BEHIND_SHARE of a period after that. The
+scheduler says so in the step's observation (`last_tokens_now`). Checked here: the bound never
+exceeds the room, every cut equals the cut with the room found, the pass is skipped where it can
+be and made where the bound does not hold (a failed step, a request the step left out, a
+recompute chunk short of its context), and what the observation reports (no torch)."""
 
 from __future__ import annotations
 
 import random
 from types import SimpleNamespace
+from typing import Optional
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -52,9 +52,9 @@ class _Checked(SLOBatchController):
 
 
 def _scheduler(controller: SLOBatchController, num_blocks: int, swap: bool = False, max_num_seqs: int = 4,
-               max_num_batched_tokens: int = 32, policy: str = "fcfs") -> Scheduler:
+               max_num_batched_tokens: int = 32, policy: str = "fcfs", long_prefill_token_threshold: int = 0) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
-                                     policy=policy),
+                                     policy=policy, long_prefill_token_threshold=long_prefill_token_threshold),
                      CacheConfig(block_size=4, num_blocks=num_blocks, preemption_mode="swap" if swap else "recompute",
                                  num_host_blocks=64 if swap else 0, enable_prefix_caching=policy == "fcfs"),
                      batch_controller=controller, cost_model=MODEL)
@@ -66,21 +66,24 @@ def _controller(target_tpot_ms: float, max_num_seqs: int = 4, max_num_batched_to
     return _Checked(config, StepLimits(max_num_batched_tokens, max_num_seqs))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arrivals=st.lists(st.tuples(st.floats(0, 0.5), st.integers(1, 60), st.integers(1, 12), st.booleans()),
-                         min_size=2, max_size=14),
-       target=st.sampled_from([2.0, 6.0, 20.0, 1e4]), num_blocks=st.integers(14, 40), swap=st.booleans(),
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=st.lists(st.tuples(st.floats(0, 0.5), st.integers(1, 60), st.integers(1, 12), st.booleans(),
+                                   st.integers(0, 2)), min_size=2, max_size=14),
+       target=st.sampled_from([2.0, 6.0, 20.0, 200.0, 1e4]), num_blocks=st.integers(8, 40), swap=st.booleans(),
+       policy=st.sampled_from(["fcfs", "priority"]), threshold=st.sampled_from([0, 3, 7, 12, 17]),
        seed=st.integers(0, 2**16))
-def test_every_cut_is_the_cut_with_the_room_found_and_the_bound_never_exceeds_the_room(arrivals, target, num_blocks,
-                                                                                        swap, seed):
-    # Steps of varying length (the model's prediction times 0.5-2), aborts and failed steps now
-    # and then, preemption by recompute or by swap.
+def test_every_cut_is_the_cut_with_the_room_found_and_the_bound_never_exceeds_the_room(
+        arrivals, target, num_blocks, swap, policy, threshold, seed):
+    # Steps of varying length (the model's prediction times 0.5-2), aborts before a step and
+    # between a step and its results, failed steps, preemption by recompute or by swap (under
+    # priority a more important arrival displaces a running request), recompute chunks cut by
+    # the budget, the long-prefill threshold or the controller.
     rng = random.Random(seed)
     controller = _controller(target)
-    s = _scheduler(controller, num_blocks, swap)
+    s = _scheduler(controller, num_blocks, swap, policy=policy, long_prefill_token_threshold=threshold)
     runner = PagedFakeRunner(s.block_size)
-    pending = sorted(((at, make_request(f"r{i}", n, max_tokens=m, ignore_eos=sure, arrival_time=at))
-                      for i, (at, n, m, sure) in enumerate(arrivals)), key=lambda x: x[0])
+    pending = sorted(((at, make_request(f"r{i}", n, max_tokens=m, ignore_eos=sure, arrival_time=at, priority=p))
+                      for i, (at, n, m, sure, p) in enumerate(arrivals)), key=lambda x: x[0])
     requests = [r for _, r in pending]
     now, failed = 0.0, set()
     for _ in range(3000):
@@ -97,12 +100,49 @@ def test_every_cut_is_the_cut_with_the_room_found_and_the_bound_never_exceeds_th
         now += MODEL.predict(step_composition(out, s.requests)) * rng.uniform(0.5, 2.0) + 1e-4
         if out.num_scheduled_tokens and rng.random() < 0.03:
             failed.update(r.request_id for r in s.fail_step(out, now))
-        else:
-            s.update_from_output(out, runner.execute(out), now)
+            continue
+        if out.num_scheduled_tokens and rng.random() < 0.03:
+            s.abort_requests([rng.choice(list(out.num_scheduled_tokens))], now=now)
+        s.update_from_output(out, runner.execute(out), now)
     assert not pending and not s.has_unfinished_requests()
     for r in requests:
         if r.request_id not in failed and r.status.name != "FINISHED_ABORTED":
             assert r.output_token_ids == reference_stream(r.prompt_token_ids, r.num_output_tokens)
+    assert_no_leaks(s)
+
+
+def test_a_recompute_chunk_short_of_its_context_leaves_no_bound():
+    # "a" decodes, is displaced (recompute) by the more important "h", waits a second, and
+    # computes its context again in chunks of the long-prefill threshold: the one that stops a
+    # token short samples nothing, so "a" decodes in the next step with its last token from
+    # before it was displaced. That step's observation must not give a bound (with one, the
+    # prompt "w" admitted next would not be cut to the room "a"'s overdue token leaves).
+    controller = _controller(200.0, max_num_seqs=4, max_num_batched_tokens=64)
+    s = _scheduler(controller, 11, policy="priority", max_num_batched_tokens=64, long_prefill_token_threshold=17)
+    runner = PagedFakeRunner(s.block_size)
+    observed = []
+    on_step = controller.on_step
+    controller.on_step = lambda obs: observed.append(obs) or on_step(obs)
+    a = make_request("a", 13, max_tokens=30, priority=1)
+    s.add_request(a)
+    now, waited, short = 0.0, False, 0
+    for t in range(300):
+        if t == 3:
+            s.add_request(make_request("h", 24, max_tokens=12, priority=0))
+        out = s.schedule(now)
+        back = a.num_preemptions and "a" in out.prefill_num_computed_tokens
+        now += MODEL.predict(step_composition(out, s.requests))
+        if a.num_preemptions and not waited:
+            now, waited = now + 1.0, True
+        s.update_from_output(out, runner.execute(out), now)
+        if back and a.num_tokens - a.num_computed_tokens == 1 and a.last_token_time < now:  # no token now
+            short += 1
+            assert a.last_token_time < now - 0.5 and not observed[-1].last_tokens_now
+            s.add_request(make_request("w", 40, max_tokens=2, priority=0))
+        if not s.has_unfinished_requests():
+            break
+    assert short == 1 and controller.skips  # the case happened, and the bound was used elsewhere
+    assert a.output_token_ids == reference_stream(a.prompt_token_ids, 30)
     assert_no_leaks(s)
 
 
@@ -141,8 +181,9 @@ def test_the_pass_is_skipped_while_every_request_ran_and_made_after_a_failed_ste
     passes, skips = c.passes, c.skips
     run.steps(40)
     assert c.skips - skips >= 40 and c.passes == passes  # every admission skipped it
-    # A failed step is not observed: the step after it cannot know when the running requests
-    # last got a token (those it did not schedule go on), so its first chunk makes the pass.
+    # A failed step is not observed, so the step after it has no bound and its first chunk
+    # makes the pass (here the failed step had scheduled, and so aborted, every running request;
+    # one it left out would go on with its last token from before: see the unit test below).
     out = run.scheduler.schedule(run.now)
     run.scheduler.fail_step(out, run.now + 0.01)
     run.now += 0.02
@@ -189,7 +230,7 @@ def test_the_observation_says_when_the_step_left_a_running_request_out():
         outs.append(s.schedule(float(t)))
         s.update_from_output(outs[-1], runner.execute(outs[-1]), float(t) + 0.5)
     assert [dict(o.num_scheduled_tokens) for o in outs] == [{"long": 16}, {"long": 4, "d": 4}, {"long": 16}]
-    assert [o.all_running_ran for o in controller.observations] == [True, True, False]
+    assert [o.last_tokens_now for o in controller.observations] == [True, True, False]
     while s.has_unfinished_requests():
         out = s.schedule(10.0)
         s.update_from_output(out, runner.execute(out), 10.0)
@@ -203,17 +244,21 @@ def test_a_step_after_one_that_left_a_request_out_makes_the_pass():
                           output_token_ids=[1] * 4, least_num_output_tokens=0)
     rows = StepComposition(num_decode_seqs=1, decode_context_tokens=12, num_sampled=1)
 
-    def step(all_ran: bool) -> int:
+    def step(fresh: Optional[bool]) -> int:
+        """A step with a chunk; observed with `last_tokens_now` = fresh, not observed (it failed) if None."""
         c.begin_step(0.5, [row])
         passes = c.passes
         assert c.cut_chunk(2, 0, 2, 2, rows, 0) == 2
-        c.on_step(StepObservation(0.5, rows, 1, (), 1, 1, 12, 0.1, (), all_ran))
+        if fresh is not None:
+            c.on_step(StepObservation(0.5, rows, 1, (), 1, 1, 12, 0.1, (), fresh))
         return c.passes - passes
 
     assert step(True) == 1  # the first step: nothing observed before it
-    assert step(True) == 0  # "row" ran in the step before: its next token is due 85.5 ms on at least
+    assert step(True) == 0  # "row" got a token in the step before: it is due 85.5 ms on at least
     assert step(False) == 0  # the bound held for this step; the next has none
     assert step(True) == 1
+    assert step(None) == 0  # it fails: not observed
+    assert step(True) == 1  # so the step after it has no bound
     assert step(True) == 0
 
 
@@ -221,24 +266,27 @@ def _out(scheduled: dict[str, int], prefill: dict[str, int]) -> SimpleNamespace:
     return SimpleNamespace(num_scheduled_tokens=scheduled, prefill_num_computed_tokens=prefill)
 
 
-def test_the_observation_says_whether_every_running_request_ran():
+def test_the_observation_says_whether_every_running_request_with_outputs_got_a_token():
     a, b, c, d = (SimpleNamespace(num_computed_tokens=n, arrival_time=0.0, output_token_ids=[1, 2],
                                   first_token_time=0.5) for n in (10, 20, 30, 40))
     comp = StepComposition(num_decode_seqs=3, decode_context_tokens=63, num_sampled=3)
     updates = [SimpleNamespace(request=r, new_token_ids=[1]) for r in (a, b, c)]
 
-    def observe(out, running, finished=(), first=(), dropped=0):
-        return observe_step(out, comp, updates, finished, running, 0, 0.1, 1.0, first, dropped)
+    def observe(out, running, finished=(), first=(), dropped=0, unsampled=0):
+        return observe_step(out, comp, updates, finished, running, 0, 0.1, 1.0, first, dropped, unsampled)
 
-    assert observe(_out({"a": 1, "b": 1, "c": 1}, {}), [a, b, c]).all_running_ran
-    # c finished in the step, d was aborted after it was scheduled: a and b still ran.
-    assert observe(_out({"a": 1, "b": 1, "c": 1, "d": 1}, {}), [a, b], finished=[c], dropped=1).all_running_ran
+    assert observe(_out({"a": 1, "b": 1, "c": 1}, {}), [a, b, c]).last_tokens_now
+    # c finished in the step, d was aborted after it was scheduled: a and b still got theirs.
+    assert observe(_out({"a": 1, "b": 1, "c": 1, "d": 1}, {}), [a, b], finished=[c], dropped=1).last_tokens_now
     # d runs but the step left it out (its budget spent).
     obs = observe(_out({"a": 1, "b": 1, "c": 1}, {}), [a, b, c, d])
-    assert not obs.all_running_ran and obs.running_context_tokens == 100
+    assert not obs.last_tokens_now and obs.running_context_tokens == 100
+    # d's recompute chunk stopped short of its context: scheduled, but no token.
+    assert not observe(_out({"a": 1, "b": 1, "c": 1, "d": 8}, {"d": 24}), [a, b, c, d], unsampled=1).last_tokens_now
     # TTFTs are those of the requests whose first token came now (the scheduler says which).
-    obs = observe(_out({"a": 1, "b": 1, "c": 5}, {"c": 25}), [a, b, c], first=[c])
-    assert obs.ttfts == [1.0] and obs.num_itl_rows == 2
+    e = SimpleNamespace(num_computed_tokens=5, arrival_time=0.25, output_token_ids=[1], first_token_time=1.0)
+    obs = observe(_out({"a": 1, "b": 1, "e": 5}, {"e": 0}), [a, b, e], first=[e])
+    assert obs.ttfts == [0.75] and obs.num_itl_rows == 2
 
 
 def test_a_request_back_from_a_recompute_preemption_gets_no_second_ttft():

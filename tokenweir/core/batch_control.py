@@ -55,9 +55,9 @@ class StepObservation:
     kv_cache_usage: float  # 0..1
     # Seconds per output token after the first (TPOT), of the requests that finished now.
     tpots: Sequence[float] = ()
-    # Every request still running ran in the step: each decoding one got its last token `now`
-    # (a controller may bound their next due times by it without a pass over them).
-    all_running_ran: bool = False
+    # Every running request with output tokens got one now (its last_token_time is `now`): a
+    # controller may bound their next due times by it without a pass over them.
+    last_tokens_now: bool = False
 
 
 _num_computed_tokens = attrgetter("num_computed_tokens")
@@ -65,11 +65,13 @@ _num_computed_tokens = attrgetter("num_computed_tokens")
 
 def observe_step(out: SchedulerOutput, composition: StepComposition, updates: Sequence[RequestUpdate],
                  finished: Sequence[Request], running: Sequence[Request], num_waiting: int, kv_cache_usage: float,
-                 now: float, first_tokens: Sequence[Request], num_dropped: int) -> StepObservation:
+                 now: float, first_tokens: Sequence[Request], num_dropped: int, num_unsampled: int) -> StepObservation:
     """`composition`: what the step computed, as the scheduler tallied it while building the
     step (StepTally: its prefill chunks exactly, its decode rows with their own context);
     `finished`: the requests the step finished; `first_tokens`: those whose first token came
-    now; `num_dropped`: how many requests it scheduled were aborted before its results came back."""
+    now; `num_dropped`: how many requests it scheduled were aborted before its results came
+    back; `num_unsampled`: how many with output tokens it scheduled a chunk of that sampled
+    nothing (computing their context again after a recompute preemption)."""
     scheduled = out.num_scheduled_tokens
     ttfts = [now - r.arrival_time for r in first_tokens]
     num_itl = len(updates) - len(ttfts)
@@ -81,10 +83,11 @@ def observe_step(out: SchedulerOutput, composition: StepComposition, updates: Se
                        else sum(map(_num_computed_tokens, running)))
     # The scheduled requests still running are those neither finished nor dropped; the running
     # ones all ran if there are as many of them (a running request the step left out, its
-    # budget spent, has its last token from an earlier step).
-    all_ran = len(running) == len(scheduled) - len(finished) - num_dropped
+    # budget spent, has its last token from an earlier step), and each with outputs sampled
+    # unless a recompute chunk stopped short of its context.
+    last_tokens_now = not num_unsampled and len(running) == len(scheduled) - len(finished) - num_dropped
     return StepObservation(now, composition, num_itl, ttfts, len(running), num_waiting, running_context,
-                           kv_cache_usage, tpots, all_ran)
+                           kv_cache_usage, tpots, last_tokens_now)
 
 
 class BatchController(ABC):

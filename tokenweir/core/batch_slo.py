@@ -85,10 +85,10 @@ step; the step may last until the earliest due token among the decoding ones (fo
 chunk is first cut that a bound known without a pass does not settle, over those that ran at
 the step's start: a step of decode rows alone needs no pass over them, one preempted by
 recompute before that gets no token from it, and one swapped in during the step is left out,
-as its times predate its swap-out; the bound: if every request running at the step's start ran
-in the step before, as its observation says, each decoding one got its last token when that
-step's results came back, and none is due before `BEHIND_SHARE` of a period after that, so a
-chunk that fits in what is left of it fits under the room, and in steady churn no pass is made;
+as its times predate its swap-out; the bound: if every running request with output tokens got
+one when the step before's results came back, as its observation says, none is due before
+`BEHIND_SHARE` of a period after that, so a chunk that fits in what is left of it fits under the
+room, and in steady churn no pass is made;
 `cut_chunk` cuts every prefill chunk to that, not to the period; a request computing its
 context again after a recompute preemption gets no token before that prefill is done, so its
 due time does not count; with no decoding request nothing is cut: no row waits), and the token
@@ -334,11 +334,11 @@ class SLOBatchController(BatchController):
         self._room: Optional[float] = math.inf
         self._step_now = 0.0
         self._step_running: Sequence[Request] = ()
-        # hold="tpot": when the results came back of the last step observed, if every request
-        # still running ran in it (None otherwise); taken by the next step (`_least_room`), as
-        # a step that fails is not observed.
-        self._all_ran_at: Optional[float] = None
-        self._step_all_ran_at: Optional[float] = None
+        # hold="tpot": when the results came back of the last step observed, if every running
+        # request with output tokens got one then (None otherwise); taken by the next step
+        # (`_least_room`), as a step that fails is not observed.
+        self._fresh_at: Optional[float] = None
+        self._step_fresh_at: Optional[float] = None
         # hold="tpot": the share of a period per ITL that a request sure of its length may bank
         # (see the docstring). Its later tokens are then due 1 / (1 + credit) periods apart, so a
         # larger credit leaves less room to catch up after a step longer than predicted.
@@ -420,7 +420,7 @@ class SLOBatchController(BatchController):
             # and last tokens date from before it was swapped out (its due time long past would
             # cut every chunk to the floor); the token this step gives it makes them fresh.
             self._step_now, self._step_running, self._room = now, list(running), None
-            self._step_all_ran_at, self._all_ran_at = self._all_ran_at, None
+            self._step_fresh_at, self._fresh_at = self._fresh_at, None
 
     @property
     def room(self) -> float:
@@ -433,11 +433,11 @@ class SLOBatchController(BatchController):
 
     def _least_room(self) -> Optional[float]:
         """hold="tpot": a lower bound of `room` known without a pass over the running requests
-        (None: none is). If every request running at the step's start ran in the step before,
-        each decoding one got its last token when that step's results came back, and its next
-        token is due no earlier than BEHIND_SHARE of a period after that (its due time's floor)."""
-        ran_at = self._step_all_ran_at
-        return None if ran_at is None else ran_at + BEHIND_SHARE * (self.target * self.bias) - self._step_now
+        (None: none is). If every request with output tokens running at the step's start got
+        one when the step before's results came back (`StepObservation.last_tokens_now`), no
+        decoding one is due before BEHIND_SHARE of a period after that (its due time's floor)."""
+        fresh_at = self._step_fresh_at
+        return None if fresh_at is None else fresh_at + BEHIND_SHARE * (self.target * self.bias) - self._step_now
 
     def _earliest_due(self, running: Sequence[Request]) -> float:
         # A decoding request keeps its TPOT (its mean ITL so far) under the due period if its
@@ -479,7 +479,7 @@ class SLOBatchController(BatchController):
         if self._hold_tpot:
             for tpot in obs.tpots:
                 self._tpot.append((obs.now, tpot))
-            self._all_ran_at = obs.now if obs.all_running_ran else None
+            self._fresh_at = obs.now if obs.last_tokens_now else None
         if obs.num_running:
             self._context_per_request = obs.running_context_tokens / obs.num_running
         self._num_running = obs.num_running

@@ -804,7 +804,7 @@ class Scheduler:
         served = StepServed()
         finished: list[Request] = []
         first_tokens: list[Request] = []  # whose first token this step sampled
-        num_dropped = 0
+        num_dropped = num_unsampled = 0
         # Bound once: the loop runs for every scheduled request of every step.
         requests, cache_blocks, check_stop = in_flight.requests, self.kv_cache_manager.cache_blocks, self._check_stop
         add_update, add_first = updates.append, first_tokens.append
@@ -841,6 +841,8 @@ class Scheduler:
                                 finished.append(request)
                                 break
                     add_update(RequestUpdate(request, sampled if num_output == len(sampled) else sampled[:num_output]))
+                elif request.output_token_ids:
+                    num_unsampled += 1  # computing its context again (recompute): its last token is old
                 if feedback:
                     if num_tokens == 1 and num_output == 1 and num_recomputed == 0:
                         add_decode(request)
@@ -859,7 +861,7 @@ class Scheduler:
         if self._controller_observes or self._policy_observes:
             observation = observe_step(scheduler_output, in_flight.tally.composition(), updates, finished,
                                        self.running, len(self.waiting), self.kv_cache_manager.get_usage(), now,
-                                       first_tokens, num_dropped)
+                                       first_tokens, num_dropped, num_unsampled)
             if self._controller_observes:
                 self.batch_controller.on_step(observation)
             if self._policy_observes:
