@@ -67,8 +67,8 @@ def _controller(target_tpot_ms: float, max_num_seqs: int = 4, max_num_batched_to
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arrivals=st.lists(st.tuples(st.floats(0, 0.5), st.integers(1, 60), st.integers(1, 12), st.booleans(),
-                                   st.integers(0, 2)), min_size=2, max_size=14),
+@given(arrivals=st.lists(st.tuples(st.integers(0, 500).map(lambda ms: ms / 1000), st.integers(1, 60), st.integers(1, 12),
+                                   st.booleans(), st.integers(0, 2)), min_size=2, max_size=14),
        target=st.sampled_from([2.0, 6.0, 20.0, 200.0, 1e4]), num_blocks=st.integers(8, 40), swap=st.booleans(),
        policy=st.sampled_from(["fcfs", "priority"]), threshold=st.sampled_from([0, 3, 7, 12, 17]),
        seed=st.integers(0, 2**16))
@@ -77,7 +77,8 @@ def test_every_cut_is_the_cut_with_the_room_found_and_the_bound_never_exceeds_th
     # Steps of varying length (the model's prediction times 0.5-2), aborts before a step and
     # between a step and its results, failed steps, preemption by recompute or by swap (under
     # priority a more important arrival displaces a running request), recompute chunks cut by
-    # the budget, the long-prefill threshold or the controller.
+    # the budget, the long-prefill threshold or the controller. Arrivals in whole ms: st.floats
+    # fails once a library has set flush-to-zero, as one loaded by the suite's torch tests does.
     rng = random.Random(seed)
     controller = _controller(target)
     s = _scheduler(controller, num_blocks, swap, policy=policy, long_prefill_token_threshold=threshold)
