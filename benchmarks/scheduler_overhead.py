@@ -460,7 +460,8 @@ def main() -> None:
               "per adjustment interval (1 s, 50 steps of this clock) a sort of the window's step periods "
               "and two binary searches over the cost model. Holding TPOT it also copies the running list "
               "each step, and passes over the running requests' due times only when a chunk does not fit "
-              "under the bound the last step's observation gives (in these cases it fits at every step after the first).",
+              "under the bound the last step's observation gives (in these cases it fits at every step "
+              "after the first).",
               "", "Paired before/after runs of earlier optimisations: `scheduler_history.md`.", ""]
     at_256 = [r for r in results if r["num_running"] == 256]
     slowest = max(at_256[1:], key=lambda r: r["cpu_ms_per_step"])

@@ -455,8 +455,7 @@ class SLOBatchController(BatchController):
             # other prompt's, to the floor.
             if first is None:
                 continue
-            num_tokens = len(request.all_token_ids)
-            if num_tokens - request.num_computed_tokens != 1:
+            if len(request.all_token_ids) - request.num_computed_tokens != 1:
                 continue
             sure = credit * max(0, request.least_num_output_tokens - 1)
             output = len(request.output_token_ids)
