@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.core.helpers import PagedFakeRunner, create_scheduler, make_request
+from tests.core.helpers import PagedFakeRunner, assert_no_leaks, create_scheduler, make_request
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core import scheduler as scheduler_module
 from tokenweir.core.batch_control import StepObservation, StepLimits
@@ -170,3 +170,34 @@ def test_a_failed_step_is_not_charged_to_the_ratio_of_the_retry():
         now += seconds
         assert step() == pytest.approx(2 * seconds)  # the ITL its rows saw
     assert timing.ratio == pytest.approx(1.0)
+
+
+def test_steps_with_swap_copies_are_measured_against_a_prediction_with_them():
+    # A machine that takes exactly what the cost model predicts for each step, swap copies
+    # included (as the simulator's virtual clock does): the ratio must stay 1. Measured against
+    # a prediction without the copies (10 ms a block here), every swap step would look slower
+    # than the model and scale up every prediction after it.
+    from tokenweir.core.cost_model import step_composition
+    kv_block_bytes = 10_000_000  # 10 ms a block at the model's 1 GB/s
+    controller = _Controller()
+    s = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4),
+                  CacheConfig(block_size=4, num_blocks=7, preemption_mode="swap", num_host_blocks=16,
+                              kv_block_bytes=kv_block_bytes),
+                  batch_controller=controller)
+    runner = PagedFakeRunner(s.block_size)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", 7, max_tokens=8))
+    now, num_copied = 0.0, 0
+    while s.has_unfinished_requests():
+        out = s.schedule(now)
+        copies = len(out.blocks_to_swap_out) + len(out.blocks_to_swap_in)
+        num_copied += copies
+        comp = step_composition(out, s.requests, kv_block_bytes)
+        assert comp.swap_bytes == copies * kv_block_bytes
+        now += MODEL.predict(comp)
+        s.update_from_output(out, runner.execute(out), now)
+        if copies:
+            assert controller.observations[-1].composition == comp
+        assert controller.timing.ratio == pytest.approx(1.0)
+    assert num_copied >= 4  # swapped out and back in: the case was exercised
+    assert_no_leaks(s)

@@ -45,7 +45,8 @@ class StepObservation:
 
     now: float
     # The step's composition, exact, as the scheduler tallied it (StepTally): its prefill
-    # chunks (tokens, rows, causal query-key pairs), its decode rows with their own context.
+    # chunks (tokens, rows, causal query-key pairs), its decode rows with their own context,
+    # and the bytes of its swap copies (the runner makes them inside the step's time).
     composition: StepComposition
     num_itl_rows: int  # requests that received a token after their first: each waited one ITL
     ttfts: Sequence[float]  # seconds from arrival, of the requests whose first token came now
@@ -67,7 +68,8 @@ def observe_step(out: SchedulerOutput, composition: StepComposition, updates: Se
                  finished: Sequence[Request], running: Sequence[Request], num_waiting: int, kv_cache_usage: float,
                  now: float, first_tokens: Sequence[Request], num_dropped: int, num_unsampled: int) -> StepObservation:
     """`composition`: what the step computed, as the scheduler tallied it while building the
-    step (StepTally: its prefill chunks exactly, its decode rows with their own context);
+    step (StepTally: its prefill chunks exactly, its decode rows with their own context), with
+    its swap copies;
     `finished`: the requests the step finished; `first_tokens`: those whose first token came
     now; `num_dropped`: how many requests it scheduled were aborted before its results came
     back; `num_unsampled`: how many with output tokens it scheduled a chunk of that sampled

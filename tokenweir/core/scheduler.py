@@ -859,7 +859,11 @@ class Scheduler:
             served.finished = finished
             self.policy.on_step_served(served, now)
         if self._controller_observes or self._policy_observes:
-            observation = observe_step(scheduler_output, in_flight.tally.composition(), updates, finished,
+            composition = in_flight.tally.composition()
+            num_copied = len(scheduler_output.blocks_to_swap_out) + len(scheduler_output.blocks_to_swap_in)
+            if num_copied:  # the step's time includes its swap copies: so must what it is measured against
+                composition += StepComposition(swap_bytes=num_copied * self.cache_config.kv_block_bytes)
+            observation = observe_step(scheduler_output, composition, updates, finished,
                                        self.running, len(self.waiting), self.kv_cache_manager.get_usage(), now,
                                        first_tokens, num_dropped, num_unsampled)
             if self._controller_observes:
