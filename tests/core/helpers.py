@@ -165,8 +165,26 @@ def step(scheduler: Scheduler, runner: PagedFakeRunner, now: float = 0.0) -> Sch
     assert out.total_num_scheduled_tokens <= scheduler.config.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= scheduler.config.max_num_seqs
     assert len(scheduler.running) <= scheduler.config.max_num_seqs
+    assert_writes_own_blocks(scheduler, out)
     scheduler.update_from_output(out, runner.execute(out), now=now)
     return out
+
+
+def assert_writes_own_blocks(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    """Every K/V position the step computes lands in a block its request holds alone and that
+    is not published in the prefix cache: a shared or cached block is read, never written (the
+    fake runner cannot see such a write when the tokens agree; a real model's K/V would change
+    under the other readers)."""
+    kv, size = scheduler.kv_cache_manager, scheduler.block_size
+    for request_id, num_tokens in out.num_scheduled_tokens.items():
+        request = scheduler.requests[request_id]
+        blocks = kv.req_to_blocks[request_id]
+        start = request.num_computed_tokens
+        for index in range(start // size, (start + num_tokens - 1) // size + 1):
+            block = blocks[index]
+            assert block.ref_cnt == 1 and block.block_hash is None, (
+                f"{request_id} writes positions {start}..{start + num_tokens - 1} into block {block.block_id} "
+                f"(ref_cnt {block.ref_cnt}, published {block.block_hash is not None})")
 
 
 def traced_run(scheduler: Scheduler, requests: list[Request], aborts: list[int] = (),

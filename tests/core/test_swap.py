@@ -346,3 +346,26 @@ def test_an_fcfs_swapped_queue_returns_requests_in_arrival_order(make_scheduler)
     assert seen and all(order == sorted(order) for order in seen)
     for r in reqs:
         assert r.output_token_ids == reference_stream(r.prompt_token_ids, 16)
+
+
+def test_swap_in_copies_a_partly_computed_block_back_rather_than_take_a_cached_one(make_scheduler):
+    # B is swapped out mid-chunk with 6 of its 8 shared prefix tokens computed; A then finishes
+    # and publishes that prefix's second block. Swapping in, B may take cached blocks only for
+    # what it had computed whole: its second block gets its own copy (positions 6 and 7 are
+    # still to be written), not A's published block (a review's case: B wrote into it).
+    from tokenweir.request import Request, SamplingParams
+    s = make_scheduler(num_blocks=5, block_size=4, max_num_batched_tokens=6, max_num_seqs=2,
+                       long_prefill_token_threshold=3, preemption_mode="swap", num_host_blocks=8)
+    shared = list(range(100, 108))
+    a = Request("A", shared + [200, 201, 202, 203], SamplingParams(max_tokens=6, ignore_eos=True), eos_token_id=2)
+    b = Request("B", shared + [300, 301, 302, 303], SamplingParams(max_tokens=2, ignore_eos=True), eos_token_id=2)
+    s.add_request(a)
+    s.add_request(b)
+    runner = PagedFakeRunner(4)
+    outs = run_steps(s, runner)  # step() checks every write lands in a block of its own
+    swapped_in = [out.blocks_to_swap_in for out in outs if out.blocks_to_swap_in]
+    # Its first block, computed whole, is A's cached one; its second is copied back.
+    assert swapped_in and len(swapped_in[0]) == 1
+    assert s.get_stats().num_preemptions_by_mode["swap"] >= 1
+    assert a.output_token_ids == reference_stream(a.prompt_token_ids, 6)
+    assert b.output_token_ids == reference_stream(b.prompt_token_ids, 2)

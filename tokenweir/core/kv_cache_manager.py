@@ -300,7 +300,10 @@ class KVCacheManager:
         num_required = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
         hits: dict[int, KVBlock] = {}
         if self.enable_caching:
-            for i, block_hash in enumerate(request.block_hashes[:len(host_blocks)]):
+            # Only blocks it had computed whole: a partly computed last one (swapped out
+            # mid-chunk) is written on, so it must be its own copy, never a shared cached block.
+            num_full = min(len(host_blocks), request.num_computed_tokens // self.block_size)
+            for i, block_hash in enumerate(request.block_hashes[:num_full]):
                 block = self.block_pool.get_cached_block(block_hash)
                 if block is not None:
                     hits[i] = block
