@@ -8,6 +8,7 @@ import httpx
 import openai
 import pytest
 
+from tests.model.tiny_models import VOCAB_SIZE
 from tests.server.conftest import MAX_MODEL_LEN
 from tests.server.helpers import MODEL, client, post
 from tokenweir.server.errors import APIError
@@ -77,7 +78,57 @@ CASES = [
     # Valid JSON ("\ud800") but no text the tokenizer can encode.
     ("lone-surrogate", COMPLETIONS, {"prompt": "hi \ud800"}, 400, "prompt"),
     ("chat-lone-surrogate", CHAT, {"messages": [{"role": "user", "content": "hi \ud800"}]}, 400, "messages"),
+    # ... quoted back in the error message, which must still encode as UTF-8 (it was a 500).
+    ("model-lone-surrogate", COMPLETIONS, {"prompt": "hi", "model": "m\ud800"}, 404, "model"),
+    ("chat-model-lone-surrogate", CHAT, {"messages": MESSAGES, "model": "\udfff"}, 404, "model"),
+    # The engine's check against the vocabulary names the field, not the prompt.
+    ("stop-id-out-of-vocab", COMPLETIONS, {"prompt": "hi", "stop_token_ids": [VOCAB_SIZE]}, 400, "stop_token_ids"),
+    ("chat-stop-id-out-of-vocab", CHAT, {"messages": MESSAGES, "stop_token_ids": [VOCAB_SIZE + 7]}, 400,
+     "stop_token_ids"),
+    # Fields that would change the output in a way the engine does not do: refused, not ignored.
+    ("logit-bias", COMPLETIONS, {"prompt": "hi", "logit_bias": {"40": -100}}, 400, "logit_bias"),
+    ("presence-penalty", COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("frequency-penalty", CHAT, {"messages": MESSAGES, "frequency_penalty": -1}, 400, "frequency_penalty"),
+    ("repetition-penalty", COMPLETIONS, {"prompt": "hi", "repetition_penalty": 1.2}, 400, "repetition_penalty"),
+    ("best-of", COMPLETIONS, {"prompt": "hi", "best_of": 3}, 400, "best_of"),
+    ("suffix", COMPLETIONS, {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    ("response-format-json", CHAT, {"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ("tools", CHAT, {"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),
+    ("tool-choice-required", CHAT, {"messages": MESSAGES, "tool_choice": "required"}, 400, "tool_choice"),
+    ("guided-json", COMPLETIONS, {"prompt": "hi", "guided_json": {"type": "object"}}, 400, "guided_json"),
+    ("beam-search", COMPLETIONS, {"prompt": "hi", "use_beam_search": True}, 400, "use_beam_search"),
+    ("stream-options-without-stream", COMPLETIONS, {"prompt": "hi", "stream_options": {"include_usage": True}},
+     400, "stream_options"),
 ]
+
+
+# Bodies as OpenAI's clients and frameworks send them: null for an argument given as None, and
+# the values of the refused fields that ask for nothing. Served as if the field were absent.
+AS_DEFAULT = [
+    (COMPLETIONS, {"n": None, "stream": None, "echo": None, "logprobs": None, "best_of": None, "suffix": None,
+                   "ignore_eos": None, "min_tokens": None, "include_stop_str_in_output": None,
+                   "skip_special_tokens": None, "priority": None, "stream_options": None}),
+    (COMPLETIONS, {"presence_penalty": 0.0, "frequency_penalty": 0, "repetition_penalty": 1.0, "logit_bias": {},
+                   "best_of": 1, "suffix": "", "echo": False, "response_format": {"type": "text"}}),
+    (CHAT, {"n": None, "stream": None, "logprobs": None, "tools": None, "tool_choice": None,
+            "presence_penalty": None, "logit_bias": None}),
+    (CHAT, {"tools": [], "tool_choice": "none", "presence_penalty": 0, "frequency_penalty": 0.0}),
+    (CHAT, {"tool_choice": "auto", "function_call": "none", "functions": []}),
+]
+
+
+@pytest.mark.parametrize("path,extra", AS_DEFAULT)
+def test_null_and_asking_for_nothing_serve_as_the_default(server, path, extra):
+    base = {"model": MODEL, "max_tokens": 3, "temperature": 0}
+    base.update({"prompt": "hello"} if path == COMPLETIONS else {"messages": MESSAGES})
+    plain = post(server, path, base)
+    response = post(server, path, {**base, **extra})
+    assert plain.status_code == response.status_code == 200, response.text
+    key = "text" if path == COMPLETIONS else "message"
+    assert response.json()["choices"][0][key] == plain.json()["choices"][0][key]
+    assert response.headers["content-type"] == "application/json"  # stream: null is not streaming
 
 
 def assert_serves(url: str) -> None:

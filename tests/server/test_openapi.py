@@ -71,9 +71,17 @@ REFUSED = [
     (CHAT, {"messages": MESSAGES_OK, "top_logprobs": 2, "logprobs": False}),
     (CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}),
     (CHAT, {"messages": []}),
+    (COMPLETIONS, {"prompt": "hi", "logit_bias": {"40": -100}}),
+    (COMPLETIONS, {"prompt": "hi", "presence_penalty": 0.5}),
+    (COMPLETIONS, {"prompt": "hi", "suffix": "!"}),
+    (CHAT, {"messages": MESSAGES_OK, "tools": [{"type": "function"}]}),
+    (CHAT, {"messages": MESSAGES_OK, "tool_choice": "required"}),
 ]
 ACCEPTED = [
     (COMPLETIONS, {"prompt": "hi", "echo": False}),
+    (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "echo": None,
+                   "presence_penalty": 0.0, "logit_bias": {}, "best_of": 1}),
+    (CHAT, {"messages": MESSAGES_OK, "max_tokens": 2, "logprobs": None, "tools": [], "tool_choice": "none"}),
     (COMPLETIONS, {"prompt": [1, 2, VOCAB_SIZE - 1], "max_tokens": 2}),
     (CHAT, {"messages": MESSAGES_OK, "top_logprobs": 2, "logprobs": True, "max_tokens": 2}),
     (CHAT, {"messages": MESSAGES_OK, "top_logprobs": None, "max_tokens": 2}),

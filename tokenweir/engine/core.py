@@ -27,7 +27,7 @@ from tokenweir.machine import cpu_name
 from tokenweir.model.arch import kv_cache_bytes_per_block
 from tokenweir.model.loader import LoadedModel, load_model
 from tokenweir.model.runner import ModelRunner
-from tokenweir.request import Request, SamplingParams, SchedulingHints
+from tokenweir.request import ParameterError, Request, SamplingParams, SchedulingHints
 
 logger = logging.getLogger("tokenweir")
 
@@ -161,7 +161,7 @@ class EngineCore:
         self.validate_prompt(prompt_token_ids)
         vocab = self.loaded.arch.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids below the vocabulary size ({vocab}), "
+            raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids below the vocabulary size ({vocab}), "
                              f"got {params.stop_token_ids}")
         request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                           sampling_params=self._with_eos_stop_ids(params),

@@ -29,6 +29,9 @@ class APIError(Exception):
     def __init__(self, status: int, message: str, *, param: Optional[str] = None,
                  type: str = "invalid_request_error", code: Optional[str] = None,
                  headers: Optional[dict[str, str]] = None) -> None:
+        # A client's text quoted in the message may hold lone surrogates (JSON's "\\ud800"):
+        # escaped, or encoding the answer as UTF-8 would fail and turn a 4xx into a 500.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = status
         self.info = ErrorInfo(message=message, type=type, param=param, code=code)

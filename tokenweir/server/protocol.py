@@ -5,14 +5,19 @@ Request fields carry the ranges the engine enforces (the limits are imported fro
 only what the server accepts, as far as JSON Schema can say it; what depends on the model or on
 the tokenized prompt (lengths, token ids) is checked after tokenizing, and answered with a 400.
 Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send extras
-(`user`, ...) keep working.
+(`user`, ...) keep working; but a known field that would change the output in a way this engine
+does not do (`logit_bias`, the penalties, `tools`, ...) is refused unless it asks for nothing, so
+no client gets an answer that silently ignored what it asked for. `null` means a field's
+default, as in OpenAI's API (its clients send null for an argument given as None).
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
+                      StrictStr, ValidationInfo, field_validator)
 
 from tokenweir.request import (MAX_KEY_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                PRIORITY_MAX, PRIORITY_MIN)
@@ -26,6 +31,33 @@ TokenId = Annotated[StrictInt, Field(ge=0)]
 Milliseconds = Optional[Annotated[Number, Field(gt=0)]]
 NonEmptyText = Annotated[StrictStr, Field(min_length=1)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+
+
+def _null_is(default: Any) -> AfterValidator:
+    """null means `default` (the field's type is Optional so the schema admits it)."""
+    return AfterValidator(lambda value: default if value is None else value)
+
+
+def _only(*accepted: Any) -> AfterValidator:
+    """A field this engine cannot honour: refused unless null or one of `accepted` (the values
+    that ask for nothing: a penalty of 0, an empty `logit_bias`)."""
+    allowed = _accepted(accepted)
+
+    def check(value: Any) -> Any:
+        if value is not None and value not in accepted:
+            raise ValueError(f"not supported (only {allowed})")
+        return value
+    return AfterValidator(check)
+
+
+def _accepted(values: tuple[Any, ...]) -> str:
+    return " or ".join([*(json.dumps(v) for v in values), "null"])
+
+
+def _unsupported(*accepted: Any) -> Any:
+    """The default of an `_only` field, with what it accepts in the schema's description."""
+    return Field(default=None, description=f"not supported: only {_accepted(accepted)}",
+                 json_schema_extra={"enum": [*accepted, None]})
 
 
 class ErrorInfo(BaseModel):
@@ -49,8 +81,9 @@ class GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[StrictStr] = None
-    n: Annotated[StrictInt, Field(ge=1, le=1, description="parallel sampling is not supported")] = 1
-    stream: StrictBool = False
+    n: Annotated[Optional[Annotated[StrictInt, Field(ge=1, le=1)]], _null_is(1),
+                 Field(description="parallel sampling is not supported")] = 1
+    stream: Annotated[Optional[StrictBool], _null_is(False)] = False
     stream_options: Optional[StreamOptions] = None
     temperature: Optional[Annotated[Number, Field(ge=0)]] = None
     top_p: Optional[Annotated[Number, Field(gt=0, le=1)]] = None
@@ -60,13 +93,27 @@ class GenerationRequest(BaseModel):
     stop: Union[None, StopString, Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)]] = None
     stop_token_ids: Optional[Annotated[list[Annotated[StrictInt, Field(ge=0, lt=2**63)]],
                                        Field(max_length=MAX_STOP_TOKEN_IDS)]] = None
-    ignore_eos: StrictBool = False
-    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
-    include_stop_str_in_output: StrictBool = False
-    skip_special_tokens: StrictBool = True
+    ignore_eos: Annotated[Optional[StrictBool], _null_is(False)] = False
+    min_tokens: Annotated[Optional[Annotated[StrictInt, Field(ge=0)]], _null_is(0)] = 0
+    include_stop_str_in_output: Annotated[Optional[StrictBool], _null_is(False)] = False
+    skip_special_tokens: Annotated[Optional[StrictBool], _null_is(True)] = True
+    # Asked for nothing unless given; the sampler has no penalties, biases or constrained decoding.
+    logit_bias: Annotated[Optional[dict[StrictStr, Number]], _only({})] = _unsupported({})
+    presence_penalty: Annotated[Optional[Number], _only(0)] = _unsupported(0)
+    frequency_penalty: Annotated[Optional[Number], _only(0)] = _unsupported(0)
+    repetition_penalty: Annotated[Optional[Number], _only(1)] = _unsupported(1)  # vLLM's
+    response_format: Annotated[Optional[dict[StrictStr, Any]], _only({"type": "text"})] = _unsupported({"type": "text"})
+    # vLLM's extras that change what is computed or returned.
+    use_beam_search: Annotated[Optional[StrictBool], _only(False)] = _unsupported(False)
+    prompt_logprobs: Annotated[Optional[StrictInt], _only()] = _unsupported()
+    truncate_prompt_tokens: Annotated[Optional[StrictInt], _only()] = _unsupported()
+    guided_json: Annotated[Optional[Any], _only()] = _unsupported()
+    guided_regex: Annotated[Optional[Any], _only()] = _unsupported()
+    guided_choice: Annotated[Optional[Any], _only()] = _unsupported()
+    guided_grammar: Annotated[Optional[Any], _only()] = _unsupported()
     # Scheduling extras (DESIGN.md "Public API"), carried onto the engine's Request as
     # SchedulingHints. Smaller priority values are served first (vLLM's sense).
-    priority: Annotated[StrictInt, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)] = 0
+    priority: Annotated[Optional[Annotated[StrictInt, Field(ge=PRIORITY_MIN, le=PRIORITY_MAX)]], _null_is(0)] = 0
     tenant: Optional[Key] = None
     deadline_ms: Milliseconds = None
     ttft_slo_ms: Milliseconds = None
@@ -74,6 +121,13 @@ class GenerationRequest(BaseModel):
     cache_salt: Optional[Key] = Field(
         default=None, description="requests with different salts never share prefix-cache blocks: "
                                   "give each tenant its own salt to isolate their caches")
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, value: Optional[StreamOptions], info: ValidationInfo) -> Optional[StreamOptions]:
+        if value is not None and not info.data.get("stream"):
+            raise ValueError("only allowed with stream: true")
+        return value
 
     @property
     def include_usage(self) -> bool:
@@ -85,19 +139,14 @@ Prompt = Union[NonEmptyText, TokenIds,
                Annotated[list[TokenIds], Field(min_length=1)]]
 
 
-def _not_supported(value: bool) -> bool:
-    if value:
-        raise ValueError("not supported")
-    return value
-
-
 class CompletionRequest(GenerationRequest):
     # One prompt per request: a string or token ids, optionally wrapped in a one-item list.
     prompt: Prompt
     max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = 16  # OpenAI's default for completions
     logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
-    echo: Annotated[StrictBool, AfterValidator(_not_supported),
-                    Field(json_schema_extra={"const": False}, description="not supported")] = False
+    echo: Annotated[Optional[StrictBool], _only(False)] = _unsupported(False)
+    best_of: Annotated[Optional[StrictInt], _only(1)] = _unsupported(1)
+    suffix: Annotated[Optional[StrictStr], _only("")] = _unsupported("")
 
 
 class TextPart(BaseModel):
@@ -139,8 +188,13 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
-    logprobs: StrictBool = False
+    logprobs: Annotated[Optional[StrictBool], _null_is(False)] = False
     top_logprobs: Optional[Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    # No tool or function calling: a request may say "none" or "auto" with no tools.
+    tools: Annotated[Optional[list[Any]], _only([])] = _unsupported([])
+    tool_choice: Annotated[Optional[Union[StrictStr, dict[StrictStr, Any]]], _only("none", "auto")] = _unsupported("none", "auto")
+    functions: Annotated[Optional[list[Any]], _only([])] = _unsupported([])
+    function_call: Annotated[Optional[Union[StrictStr, dict[StrictStr, Any]]], _only("none", "auto")] = _unsupported("none", "auto")
 
 
 # ---------------------------------------------------------------- responses (as documented)

@@ -16,6 +16,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tokenweir.engine.client import EngineClient, EngineDeadError, OutputStream, RequestFailedError
+from tokenweir.request import ParameterError
 from tokenweir.server.admission import Admission, WaitingSlot
 from tokenweir.server.auth import KeyGrant, authenticated_grant
 from tokenweir.server.errors import APIError, bad_request, engine_error
@@ -91,8 +92,8 @@ class OpenAIServing:
         try:
             outputs = await self.client.add_request(request_id, request.prompt_ids, request.params,
                                                     request.hints, prompt_text=request.prompt_text)
-        except ValueError as e:
-            raise bad_request(str(e), request.prompt_param) from e
+        except ValueError as e:  # the prompt's, unless it names another field
+            raise bad_request(str(e), e.param if isinstance(e, ParameterError) else request.prompt_param) from e
         except (EngineDeadError, RequestFailedError) as e:
             raise engine_error(e) from e
         watcher = asyncio.create_task(_abort_on_disconnect(raw, self.client, request_id))
