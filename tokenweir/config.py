@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Optional, Union
 
 from tokenweir.checks import is_finite_number, is_integer
-from tokenweir.core.composition import ADMISSION_ORDERS, CompositionConfig
+from tokenweir.core.composition import ADMISSION_ORDERS, CompositionConfig, check_admission_order
 from tokenweir.core.batch_controllers import SLOBatchConfig, check_batch_control
 from tokenweir.core.batch_slo import DEFAULT_MIN_NUM_BATCHED_TOKENS
 from tokenweir.core.policies import POLICIES, PolicyConfig, SLAConfig, VTCConfig, parse_tenant_weights
@@ -106,7 +106,7 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}): every running request needs at least one token per step")
-        if self.policy not in POLICIES:
+        if not isinstance(self.policy, str) or self.policy not in POLICIES:
             raise ValueError(f"scheduling_policy must be one of {sorted(POLICIES)}, got {self.policy!r}")
         expected = POLICIES[self.policy].config_class
         if self.policy_config is not None and type(self.policy_config) is not expected:
@@ -469,16 +469,10 @@ class EngineArgs:
         composition = CompositionConfig(self.admission_order,
                                         **{self._COMPOSITION_ARGS[arg]: value for arg, value in given.items()})
         order = composition.admission_order
-        if order == _COMPOSITION.admission_order:
-            if given:
-                raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to an "
-                                 f"admission_order other than {order!r}")
-        elif self.scheduling_policy == "sla":
-            raise ValueError(f"admission_order {order!r} does nothing under scheduling_policy 'sla': its score "
-                             "sets every waiting request apart, so there is no band of equals to reorder")
-        elif "cache-aware" in composition.orders and not self.enable_prefix_caching:
-            # In a combination too: without a cache its key ranks every request alike.
-            raise ValueError("admission_order 'cache-aware' needs enable_prefix_caching (it orders by prefix-cache hits)")
+        if order == _COMPOSITION.admission_order and given:
+            raise ValueError(f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} only to an "
+                             f"admission_order other than {order!r}")
+        check_admission_order(composition, self.scheduling_policy, self.enable_prefix_caching)
         return composition
 
     def _policy_config(self) -> Optional[PolicyConfig]:

@@ -254,8 +254,24 @@ class Request:
     finishing_token_ids: frozenset[int] = field(init=False)
 
     def __post_init__(self) -> None:
+        # What a request is made of; the token ids themselves (integers below the vocabulary
+        # size) are the engine's one prompt check (EngineCore.validate_prompt), not repeated here.
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        if isinstance(self.prompt_token_ids, (str, bytes)):
+            raise ValueError(f"request {self.request_id!r}: prompt_token_ids must be token ids, not text")
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt must contain at least one token")
+        if not isinstance(self.sampling_params, SamplingParams):
+            raise ValueError(f"request {self.request_id!r}: sampling_params must be SamplingParams, "
+                             f"got {type(self.sampling_params).__name__}")
+        if not isinstance(self.hints, SchedulingHints):
+            raise ValueError(f"request {self.request_id!r}: hints must be SchedulingHints, got {type(self.hints).__name__}")
+        if not is_finite_number(self.arrival_time):
+            raise ValueError(f"request {self.request_id!r}: arrival_time must be a finite number, got {self.arrival_time!r}")
+        if self.eos_token_id is not None and (not is_integer(self.eos_token_id) or self.eos_token_id < 0):
+            raise ValueError(f"request {self.request_id!r}: eos_token_id must be a token id or None, "
+                             f"got {self.eos_token_id!r}")
         self.all_token_ids = list(self.prompt_token_ids)
         params = self.sampling_params
         self.max_num_tokens = sys.maxsize if params.max_tokens is None else len(self.prompt_token_ids) + params.max_tokens

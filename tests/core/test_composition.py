@@ -136,13 +136,17 @@ def test_vtc_reorders_within_the_tenant_it_serves_next_only():
     assert first_admitted(s, runner, now=4.0) == "a-hit"
 
 
-def test_sla_order_is_left_alone():
-    s = scheduler("cache-aware", policy="sla", max_num_seqs=1)
-    runner = PagedFakeRunner(s.block_size)
-    warm(s, runner, PREFIX + [1, 2])
-    s.add_request(make_request("miss", 18, arrival_time=1.0))
-    s.add_request(make_request("hit", PREFIX + [7, 8], arrival_time=2.0))
-    assert first_admitted(s, runner, now=3.0) == "miss"
+def test_an_order_that_could_do_nothing_is_refused_by_the_scheduler_too():
+    # EngineArgs refuses these before a model is loaded; a scheduler built from its configs
+    # directly (the simulator, a library user) must not take them as orders that work.
+    from tokenweir.core.policies import SLAPolicy
+    with pytest.raises(ValueError, match="does nothing under scheduling_policy 'sla'"):
+        scheduler("cache-aware", policy="sla")
+    with pytest.raises(ValueError, match="does nothing under scheduling_policy 'sla'"):
+        scheduler("length-aware", policy=SLAPolicy())  # a policy object injected: its name decides
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        scheduler("length-aware,cache-aware", enable_prefix_caching=False)
+    scheduler("length-aware", enable_prefix_caching=False)  # reads prompt lengths only
 
 
 def test_length_aware_follows_the_first_admission_of_the_step():
@@ -287,7 +291,9 @@ def band_states(draw):
     # Mostly no request aged, so that the keys choose; a small window sometimes.
     composition = CompositionConfig(orders, draw(st.sampled_from([3.0, 1e9, 1e9])), draw(st.sampled_from([3, 64, 64])))
     s = create_scheduler(policy=draw(st.sampled_from(sorted(BAND))), max_num_batched_tokens=64, max_num_seqs=8,
-                         block_size=2, num_blocks=96, enable_prefix_caching=draw(st.booleans()),
+                         block_size=2, num_blocks=96,
+                         # cache-aware needs a cache (refused without); the other orders take either
+                         enable_prefix_caching="cache-aware" in composition.orders or draw(st.booleans()),
                          composition=composition)
     runner = PagedFakeRunner(s.block_size)
     for i, prefix in enumerate(draw(st.lists(st.sampled_from(SHARED), max_size=3))):
@@ -369,10 +375,13 @@ def test_an_order_chooses_the_smallest_tuple_of_its_keys_within_the_band(state):
 @st.composite
 def ordered_workloads(draw):
     config, requests, resets = draw(workloads())
-    config["policy"] = draw(st.sampled_from(["fcfs", "priority", "vtc", "sla"]))
+    # (sla is refused with any order but its own: its score leaves no band of equals.)
+    config["policy"] = draw(st.sampled_from(["fcfs", "priority", "vtc"]))
     config["composition"] = CompositionConfig(draw(combinations()),
                                               draw(st.sampled_from([0.0, 3.0, 1e9])),
                                               draw(st.integers(1, 8)))
+    if "cache-aware" in config["composition"].orders:
+        config["enable_prefix_caching"] = True  # refused without a cache
     return config, requests, resets
 
 

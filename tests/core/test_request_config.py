@@ -1,6 +1,7 @@
 import pytest
 
 from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig, parse_size
+from tokenweir.core.policies.fair_share import VTCConfig
 from tokenweir.request import ParameterError, Request, RequestStatus, SamplingParams, SchedulingHints
 
 
@@ -88,6 +89,22 @@ def test_request_needs_a_prompt_and_tracks_tokens():
     assert r.status == RequestStatus.WAITING and r.finish_reason is None
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(request_id=7), "request_id must be a non-empty string, got 7"),
+    (dict(request_id=""), "request_id must be a non-empty string"),
+    (dict(prompt_token_ids="abc"), "prompt_token_ids must be token ids, not text"),
+    (dict(sampling_params=None), "sampling_params must be SamplingParams, got NoneType"),
+    (dict(hints=None), "hints must be SchedulingHints, got NoneType"),
+    (dict(arrival_time=float("nan")), "arrival_time must be a finite number, got nan"),
+    (dict(arrival_time="0"), "arrival_time must be a finite number, got '0'"),
+    (dict(eos_token_id="2"), "eos_token_id must be a token id or None, got '2'"),
+    (dict(eos_token_id=-1), "eos_token_id must be a token id or None, got -1"),
+])
+def test_request_refuses_what_it_cannot_be_made_of(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Request(**{"request_id": "r", "prompt_token_ids": [1, 2], **kwargs})
+
+
 def test_chunking_off_needs_a_budget_of_max_model_len():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(512\) is smaller than max_model_len "
                                          r"\(2048\) while enable_chunked_prefill is off"):
@@ -97,6 +114,9 @@ def test_chunking_off_needs_a_budget_of_max_model_len():
 
 @pytest.mark.parametrize("make, message", [
     (lambda: SchedulerConfig(policy="lottery"), "scheduling_policy must be one of"),
+    (lambda: SchedulerConfig(policy=["fcfs"]), r"scheduling_policy must be one of .*got \['fcfs'\]"),
+    (lambda: SchedulerConfig(batch_controller=["slo"]), r"batch_controller must be one of .*got \['slo'\]"),
+    (lambda: VTCConfig(tenant_weights={1: 2.0}), "vtc tenant weights are keyed by tenant name"),
     (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs must be an integer >= 1, got 0"),
     (lambda: SchedulerConfig(max_num_seqs="8"), "max_num_seqs must be an integer >= 1, got '8'"),
     (lambda: SchedulerConfig(max_num_batched_tokens=True), "max_num_batched_tokens must be an integer"),

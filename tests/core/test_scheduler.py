@@ -430,3 +430,35 @@ def test_equal_priority_requests_do_not_preempt_each_other_forever(make_schedule
     s.add_request(r1)
     run_until_done(s, runner, max_steps=100)
     assert r1.num_preemptions >= 1 and r0.num_preemptions == 0  # always the same victim
+
+
+def test_one_id_aborts_that_request_not_the_ones_named_by_its_characters(make_scheduler):
+    s = make_scheduler()
+    for rid in ("a", "b", "ab"):
+        s.add_request(make_request(rid, 4))
+    s.abort_requests("ab")  # one id, as vLLM's scheduler takes it
+    assert set(s.requests) == {"a", "b"}
+    s.abort_requests(["a", "b"])
+    assert not s.requests
+
+
+def test_the_scheduler_refuses_a_status_time_or_request_it_cannot_act_on(make_scheduler):
+    s = make_scheduler()
+    runner = PagedFakeRunner(s.block_size)
+    s.add_request(make_request("r", 4, max_tokens=3))
+    with pytest.raises(ValueError, match="finish_requests needs a finished status, got <RequestStatus.RUNNING"):
+        s.finish_requests(["r"], RequestStatus.RUNNING)
+    with pytest.raises(ValueError, match="now must be a finite number of seconds, got nan"):
+        s.schedule(float("nan"))
+    out = s.schedule(0.0)
+    with pytest.raises(ValueError, match="now must be a finite number of seconds, got inf"):
+        s.update_from_output(out, runner.execute(out), float("inf"))
+    s.update_from_output(out, runner.execute(out), 0.1)  # the step was still in flight: nothing lost
+    request = s.requests["r"]
+    assert request.status == RequestStatus.RUNNING and request.num_output_tokens == 1
+    s.abort_requests("r")
+    # The aborted object carries its progress: adding it again would start from there.
+    with pytest.raises(ValueError, match=r"request 'r' has been scheduled before \(FINISHED_ABORTED, 4 tokens"):
+        s.add_request(request)
+    s.add_request(make_request("r", 4, max_tokens=3))  # a new one with the same id is fine
+    run_until_done(s, runner)

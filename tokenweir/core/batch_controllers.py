@@ -15,7 +15,7 @@ BATCH_CONTROLLERS: dict[str, type[BatchController]] = {
 
 
 def check_batch_control(name: str, config: Any) -> None:
-    if name not in BATCH_CONTROLLERS:
+    if not isinstance(name, str) or name not in BATCH_CONTROLLERS:
         raise ValueError(f"batch_controller must be one of {sorted(BATCH_CONTROLLERS)}, got {name!r}")
     expected = BATCH_CONTROLLERS[name].config_class
     if expected is None and config is not None:

@@ -187,10 +187,10 @@ class BandOrder(AdmissionOrder):
                 or self.now - request.arrival_time >= self.config.max_wait)
 
     def _aged(self, band: Sequence[Request]) -> Optional[Request]:
-        horizon = self.now - self.config.max_wait
+        now, max_wait = self.now, self.config.max_wait
         oldest = None
-        for request in band:
-            if request.arrival_time <= horizon and (oldest is None or request.arrival_time < oldest.arrival_time):
+        for request in band:  # waited as may_preempt reads it (a horizon now - max_wait rounds otherwise)
+            if now - request.arrival_time >= max_wait and (oldest is None or request.arrival_time < oldest.arrival_time):
                 oldest = request
         return oldest
 
@@ -309,6 +309,20 @@ class SamplingGroupedKey(OrderKey):
     def chosen(self, request: Request) -> None:
         greedy = request.sampling_params.greedy
         self._greedy = greedy if self._greedy is None else self._greedy and greedy
+
+
+def check_admission_order(config: CompositionConfig, policy: str, enable_prefix_caching: bool) -> None:
+    """Refuse an order where it could do nothing (a silent no-op would be taken for one that
+    works): EngineArgs asks before a model is loaded, the scheduler whatever built its configs."""
+    order = config.admission_order
+    if config.orders == ("policy",):
+        return
+    if policy == "sla":
+        raise ValueError(f"admission_order {order!r} does nothing under scheduling_policy 'sla': its score "
+                         "sets every waiting request apart, so there is no band of equals to reorder")
+    if "cache-aware" in config.orders and not enable_prefix_caching:
+        # In a combination too: without a cache its key ranks every request alike.
+        raise ValueError("admission_order 'cache-aware' needs enable_prefix_caching (it orders by prefix-cache hits)")
 
 
 def create_admission_order(config: CompositionConfig, kv_cache_manager: KVCacheManager,

@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence, Union
 
+from tokenweir.checks import is_finite_number
 from tokenweir.config import CacheConfig, SchedulerConfig
 from tokenweir.core.batch_control import BatchController, StepLimits, observe_step
 from tokenweir.core.batch_controllers import create_batch_controller
 from tokenweir.core.block_hash import BlockHasher
-from tokenweir.core.composition import create_admission_order
+from tokenweir.core.composition import check_admission_order, create_admission_order
 from tokenweir.core.cost_model import (RemainingWork, StepComposition, StepCostModel, StepTally, chunk_composition,
                                       load_cost_model)
 from tokenweir.core.kv_cache_manager import EMPTY_BLOCKS, KVCacheBlocks, KVCacheManager, PrefixCacheStats, SwapPairs
@@ -209,6 +210,7 @@ class Scheduler:
         self.step_limits: Optional[StepLimits] = None  # of the latest step, for the stats
         self.prefill_limits = PartialPrefillLimits.from_config(scheduler_config)
         self.waiting = self.policy.make_waiting_queue()
+        check_admission_order(scheduler_config.composition, self.policy.name, cache_config.enable_prefix_caching)
         self.admission_order = create_admission_order(scheduler_config.composition, self.kv_cache_manager,
                                                       self.waiting)
         self.swapped = self.policy.make_waiting_queue()  # swapped out, in the policy's order
@@ -235,6 +237,10 @@ class Scheduler:
         (with `status_message` saying why) rather than blocking the queue behind it."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
+            # A request object that ran before (aborted, finished) carries its progress: a new one must be built.
+            raise ValueError(f"request {request.request_id!r} has been scheduled before ({request.status.name}, "
+                             f"{request.num_computed_tokens} tokens computed): add a new Request")
         if request.num_prompt_tokens > self.max_model_len:
             request.status = RequestStatus.FINISHED_IGNORED
             request.finished_time = request.arrival_time
@@ -255,14 +261,18 @@ class Scheduler:
             parts.append(f"max_num_batched_tokens {self.config.max_num_batched_tokens} without chunked prefill")
         return ", ".join(parts)
 
-    def abort_requests(self, request_ids: Iterable[str], now: float = 0.0) -> None:
+    def abort_requests(self, request_ids: Union[str, Iterable[str]], now: float = 0.0) -> None:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED, now)
 
-    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus, now: float = 0.0) -> None:
-        """Finish requests from outside the step (abort; a stop string matched on detokenized
-        text) in whatever state they are. Unknown or already finished ids are ignored: a client
-        may abort a request that has just completed."""
-        assert status.is_finished
+    def finish_requests(self, request_ids: Union[str, Iterable[str]], status: RequestStatus,
+                        now: float = 0.0) -> None:
+        """Finish requests (one id, or several) from outside the step (abort; a stop string
+        matched on detokenized text) in whatever state they are. Unknown or already finished ids
+        are ignored: a client may abort a request that has just completed."""
+        if not isinstance(status, RequestStatus) or not status.is_finished:
+            raise ValueError(f"finish_requests needs a finished status, got {status!r}")
+        if isinstance(request_ids, str):  # one id, not its characters
+            request_ids = (request_ids,)
         for request_id in request_ids:
             request = self.requests.get(request_id)
             if request is None:
@@ -367,6 +377,8 @@ class Scheduler:
     # ------------------------------------------------------------------ one step
 
     def schedule(self, now: float = 0.0) -> SchedulerOutput:
+        if not is_finite_number(now):  # every policy and controller reads it
+            raise ValueError(f"now must be a finite number of seconds, got {now!r}")
         if self._in_flight is not None:
             raise RuntimeError(f"step {self._in_flight.step_id} was neither applied (update_from_output) "
                                "nor failed (fail_step): a step's results must be settled before the next")
@@ -798,6 +810,8 @@ class Scheduler:
         condition are finished and their blocks freed. If this raises, the step stays in flight
         for `fail_step`, and no finished request is left among the running ones.
         """
+        if not is_finite_number(now):  # token times and every measured period are read from it
+            raise ValueError(f"now must be a finite number of seconds, got {now!r}")
         in_flight = self._take_in_flight(scheduler_output)
         updates: list[RequestUpdate] = []
         feedback = self._policy_wants_feedback

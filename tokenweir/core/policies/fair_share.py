@@ -99,6 +99,8 @@ class VTCConfig(PolicyConfig):
         if self.input_weight == 0 and self.output_weight == 0:
             raise ValueError("vtc input_weight and output_weight cannot both be 0: no service would count")
         for tenant, weight in self.tenant_weights.items():
+            if not isinstance(tenant, str):
+                raise ValueError(f"vtc tenant weights are keyed by tenant name (a string), got {tenant!r}")
             if not is_finite_number(weight) or weight <= 0:
                 raise ValueError(f"vtc tenant weight of {tenant!r} must be a number > 0, got {weight!r}")
 
