@@ -324,11 +324,11 @@ class SLAPolicy(SchedulingPolicy):
         stops at the first victim refused."""
         scores = self._running_scores
         self._score_running(running, now)
-        k, horizon = self.config.max_preemptions, now - self.config.max_wait
+        k, max_wait = self.config.max_preemptions, self.config.max_wait
         admitting = self._admitting
         # (An aged request being admitted displaces by age alone: may_preempt skips the rule.)
         by_tenant = self.counters is not None and admitting is not None and not self._is_aged(admitting, now)
-        victim = min(running, key=lambda r: (r.num_preemptions >= k, r.arrival_time <= horizon,
+        victim = min(running, key=lambda r: (r.num_preemptions >= k, now - r.arrival_time >= max_wait,
                                              by_tenant and self._tenant_keeps(admitting, r),
                                              scores[r.request_id], -r.arrival_time, r.request_id))
         parts = self.explain(victim, now)
@@ -357,10 +357,10 @@ class SLAPolicy(SchedulingPolicy):
         k = cfg.max_preemptions
         lowest, victim = math.inf, running[0]
         now = self._now
-        horizon = now - cfg.max_wait
+        max_wait = cfg.max_wait  # aged as _is_aged reads it (a horizon now - max_wait rounds otherwise)
         key_floor = [math.inf] * cfg.num_priority_classes if reset_floor else self._key_floor
         for r in running:
-            if r.num_preemptions >= k or r.arrival_time <= horizon:
+            if r.num_preemptions >= k or now - r.arrival_time >= max_wait:
                 continue  # may_preempt refuses these
             static = statics.get(r.request_id)  # self._static(r), its hit inlined: once per running request
             if static is None or static[0] is not r:

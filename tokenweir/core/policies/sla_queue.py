@@ -384,9 +384,12 @@ class SLAQueue(RequestQueue):
     def age(self, now: float) -> None:
         """Move the requests that have waited max_wait to the aged FIFO, oldest first."""
         self.now = now
-        horizon = now - self.cfg.max_wait
+        max_wait = self.cfg.max_wait
         heap, entries = self._by_arrival, self._entries
-        while heap and heap[0][0] <= horizon:
+        # The waited time as the policy reads it (`now - arrival >= max_wait`): the horizon
+        # `arrival <= now - max_wait` rounds otherwise for some times and would leave a request
+        # the policy holds aged among the scored ones.
+        while heap and now - heap[0][0] >= max_wait:
             _, seq, request_id = heapq.heappop(heap)
             entry = entries.get(request_id)
             if entry is not None and entry.seq == seq:
