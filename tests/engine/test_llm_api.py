@@ -106,6 +106,8 @@ def test_priority_and_metrics(make_llm, tiny_model_dir):
     ({"prompt_token_ids": [5, 100000]}, r"prompt token ids must be integers in \[0, 256\)"),
     ({"prompt_token_ids": [True, 2]}, r"prompt token ids must be integers in \[0, 256\); got \[True\]"),
     ({"tokens": [1]}, r"a prompt must be a string, \{'prompt': str\} or \{'prompt_token_ids': \[...\]\}"),
+    ({"prompt_token_ids": 5}, r"^'prompt_token_ids' must be a list of token ids, got int$"),
+    ({"prompt_token_ids": None}, r"^'prompt_token_ids' must be a list of token ids, got NoneType$"),
 ])
 def test_bad_prompts_raise_and_leave_nothing_behind(make_llm, tiny_model_dir, prompt, message):
     llm = make_llm(tiny_model_dir("llama"), **KV)
@@ -360,6 +362,33 @@ def test_sampling_params_must_be_sampling_params(make_llm, tiny_model_dir):
     llm = make_llm(tiny_model_dir("llama"), **KV)
     with pytest.raises(ValueError, match="sampling_params must be SamplingParams or a list of them"):
         llm.generate("hi", {"max_tokens": 3}, use_tqdm=False)
+    for prompts in (None, 5):
+        with pytest.raises(ValueError, match=r"^prompts must be a prompt \(a string or a prompt dict\) or a list"):
+            llm.generate(prompts, use_tqdm=False)
+
+
+def test_the_engine_checks_what_it_is_given_and_keeps_its_own_params(make_llm, tiny_model_dir):
+    """EngineCore.add_request, the entry of the LLM and the server alike: a wrong type is a
+    ValueError, SamplingParams changed after construction are checked again, and changing them
+    while the request runs does not reach it."""
+    engine = make_llm(tiny_model_dir("llama"), **KV).engine
+    with pytest.raises(ValueError, match="^params must be SamplingParams, got NoneType$"):
+        engine.add_request("a", "one two", None)
+    with pytest.raises(ValueError, match="^a prompt must be a string or a list of token ids, got NoneType$"):
+        engine.add_request("a", None, SamplingParams())
+    changed = SamplingParams(max_tokens=4)
+    changed.max_tokens = 0
+    with pytest.raises(ValueError, match="max_tokens must be an integer >= 1 or None, got 0"):
+        engine.add_request("a", "one two", changed)
+    changed.max_tokens, changed.stop = 4, "xyz"  # a string where the list was: each character a stop
+    assert engine.add_request("a", "one two", changed).sampling_params.stop == ["xyz"]
+    engine.abort_requests(["a"])
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    request = engine.add_request("b", "one two", params)
+    params.max_tokens = 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert request.num_output_tokens == 4
 
 
 def test_greedy_min_tokens_in_bf16(make_llm, tiny_model_dir):

@@ -77,3 +77,36 @@ def test_the_processor_reports_a_stop_string_finish_and_a_failure(tokenizer):
     # The output says why the text ends, whatever status the scheduler gave the request.
     requests[0].status = RequestStatus.FINISHED_LENGTH
     assert processor.make_output(states[0]).outputs[0].finish_reason == "stop"
+
+
+WORDS = " one two three four five six seven eight"
+STOPS = ["two", "o", "e f", "four five six", "ix", "six seven", "t", "ight", "n"]
+
+
+def cut_by_reference(tokenizer, text, stops, min_tokens, include):
+    """Read the text character by character: the first stop string to complete past the text
+    the first min_tokens tokens wrote ends it (of two completing at one character, the longer)."""
+    ids = tokenizer.encode(text)
+    full, held = tokenizer.decode(ids), len(tokenizer.decode(ids[:min_tokens]))
+    matches = [(i + len(s), i, s) for s in stops for i in range(len(full)) if full.startswith(s, i)
+               and i + len(s) > held]
+    if not matches:
+        return full, None
+    end, start, stop = min(matches)
+    return full[:end if include else start], stop
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_strings_end_the_text_where_read_character_by_character(tokenizer, include):
+    """Every pair of stops and every min_tokens: shorter stops inside text written while
+    min_tokens held the search back do not count, and of two stops one token completes, the one
+    that ends first (then the longer) wins, whatever their order in the list."""
+    num_tokens = len(tokenizer.encode(WORDS))
+    for i, first in enumerate(STOPS):
+        for second in STOPS[i + 1:]:
+            for stops in ([first, second], [second, first]):
+                for min_tokens in range(num_tokens):
+                    _, state, _ = stream(tokenizer, WORDS, stop=stops, min_tokens=min_tokens,
+                                         include_stop_str_in_output=include)
+                    want_text, want_stop = cut_by_reference(tokenizer, WORDS, stops, min_tokens, include)
+                    assert (state.text, state.stop_reason) == (want_text, want_stop), (stops, min_tokens)

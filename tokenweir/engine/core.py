@@ -8,7 +8,6 @@ produced in one `StepResult`.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import logging
 import time
@@ -131,6 +130,8 @@ class EngineCore:
     def tokenize(self, prompt: Union[str, list[int]]) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=True)
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         return list(prompt)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -157,6 +158,11 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         if not isinstance(hints, SchedulingHints):
             raise ValueError(f"hints must be SchedulingHints, got {type(hints).__name__}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        # A copy, built (so checked) again: the caller may have changed its object since making
+        # it, and may change it while the request runs; the request must see neither.
+        params = dataclasses.replace(params)
         prompt_token_ids = self.tokenize(prompt)
         self.validate_prompt(prompt_token_ids)
         vocab = self.loaded.arch.vocab_size
@@ -186,9 +192,8 @@ class EngineCore:
         extra = [t for t in self.loaded.arch.eos_token_ids if t not in params.stop_token_ids]
         if not extra:
             return params
-        # A copy, not dataclasses.replace: the user's list was validated against its bound,
-        # the model's EOS ids must not count toward it.
-        params = copy.copy(params)
+        # Set after construction: the user's list was checked against its bound, the model's
+        # EOS ids must not count toward it. `params` is add_request's own copy.
         params.stop_token_ids = params.stop_token_ids + extra
         return params
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, TypeVar, Union
+from typing import Any, Iterable, Optional, Sequence, TypeVar, Union
 
 from tqdm.auto import tqdm
 
@@ -111,6 +111,9 @@ class LLM:
         `ttft_slo`, `tpot_slo`: seconds."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        elif not isinstance(prompts, Iterable):
+            raise ValueError("prompts must be a prompt (a string or a prompt dict) or a list of them, "
+                             f"got {type(prompts).__name__}")
         prompts = list(prompts)
         hints = _Hints(priority, tenant, deadline, ttft_slo, tpot_slo)
         return self._run([self._prompt_of(p) for p in prompts], sampling_params, hints, use_tqdm)
@@ -146,6 +149,9 @@ class LLM:
                 if not isinstance(prompt["prompt"], str):
                     raise ValueError(f"'prompt' must be a string, got {type(prompt['prompt']).__name__}")
                 return _Prompt(prompt["prompt"], prompt["prompt"], salt)
+            if not isinstance(prompt["prompt_token_ids"], (list, tuple)):
+                raise ValueError("'prompt_token_ids' must be a list of token ids, "
+                                 f"got {type(prompt['prompt_token_ids']).__name__}")
             return _Prompt(None, list(prompt["prompt_token_ids"]), salt)
         raise ValueError("a prompt must be a string, {'prompt': str} or {'prompt_token_ids': [...]} "
                          f"(optionally with 'cache_salt'), got {prompt!r:.80}")

@@ -132,19 +132,35 @@ class OutputProcessor:
             new_text = full_text[len(prefix_text):]  # the stream ended: flush what is there
         if not new_text:
             return False
-        start = max(0, len(state.text) - max((len(s) for s in params.stop), default=0) + 1)
+        old_len = len(state.text)
         state.text += new_text
         # As vLLM does, stop strings only count past min_tokens, like EOS and stop ids.
         if params.stop and request.num_output_tokens > params.min_tokens:
-            for stop in params.stop:
-                idx = state.text.find(stop, start)
-                if idx != -1:
-                    end = idx + len(stop) if params.include_stop_str_in_output else idx
-                    state.text = state.text[:end]
-                    state.stop_reason = stop
-                    state.stopped_by_string = True
-                    return True
+            match = self._first_stop(state.text, old_len, params.stop)
+            if match is not None:
+                idx, stop = match
+                end = idx + len(stop) if params.include_stop_str_in_output else idx
+                state.text = state.text[:end]
+                state.stop_reason = stop
+                state.stopped_by_string = True
+                return True
         return False
+
+    @staticmethod
+    def _first_stop(text: str, old_len: int, stops: list[str]) -> Optional[tuple[int, str]]:
+        """The stop string that the new text (past `old_len`) completes first, read character
+        by character: the match that ends earliest, and of those the one that starts earliest
+        (the longest), so the cut text holds none of the stop strings. Each stop is searched
+        from where a match of its own length could reach the new text: a common start (that of
+        the longest stop) would find a shorter stop inside text written while min_tokens held
+        the search back. vLLM takes the first stop in list order instead, which can leave an
+        earlier-ending stop string in the text when one token completes two."""
+        best: Optional[tuple[int, int, str]] = None  # (end, start, stop)
+        for stop in stops:
+            idx = text.find(stop, max(0, old_len - len(stop) + 1))
+            if idx != -1 and (best is None or (idx + len(stop), idx) < best[:2]):
+                best = (idx + len(stop), idx, stop)
+        return None if best is None else (best[1], best[2])
 
     def emittable_text(self, state: OutputState) -> str:
         """Text safe to show now: while running, hold back the last len(longest stop) - 1

@@ -197,7 +197,9 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     """One column per row, with probability proportional to `probs` (inverse CDF).
 
     One uniform number per row: unseeded rows share the global RNG, a seeded row draws from
-    its own generator only, so its tokens do not depend on what else is in the batch.
+    its own generator only, so the random numbers it uses do not depend on what else is in the
+    batch. Its tokens can: the logits of a row differ in the last bits between batch shapes
+    (another matmul blocking), which moves a draw that falls that close to a CDF boundary.
     (torch.multinomial draws one exponential per vocabulary entry: ~25 ms for 32 x 49k here.)
     """
     u = torch.rand(probs.shape[0], device=probs.device)
