@@ -5,8 +5,10 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-# A second environment without torch: tests/core must pass where torch is absent (the
-# simulator and the router run there). tokenweir is imported from the tree, not installed.
+# A second environment without torch (nor numpy): tests/core must pass where torch is absent
+# (the scheduler core and its cost model import neither; `tokenweir simulate`, which needs
+# numpy but not torch, is checked without torch by tests/sim/test_no_torch.py). tokenweir is
+# imported from the tree, not installed.
 CORE_VENV  ?= .venv-core
 CORE_STAMP := $(CORE_VENV)/.installed
 

@@ -63,6 +63,29 @@ class ParameterError(ValueError):
         return (type(self), (self.param, str(self)))
 
 
+def resolve_max_tokens(num_prompt_tokens: int, max_tokens: Optional[int], max_model_len: int, *,
+                       prompt_param: str = "prompt", max_tokens_param: str = "max_tokens") -> int:
+    """vLLM's length rule: a request whose prompt leaves no room for output, or whose prompt and
+    max_tokens together exceed max_model_len, is refused (a ParameterError, a 400 on the server)
+    rather than cut short; an unset max_tokens fills the rest of the context. The server and
+    the simulator both apply it, so a simulated replay refuses what a real one would."""
+    n, limit = num_prompt_tokens, max_model_len
+    if n == 0:
+        raise ParameterError(prompt_param, f"{prompt_param} is empty: it must contain at least one token")
+    if n >= limit:
+        raise ParameterError(
+            prompt_param, f"This model's maximum context length is {limit} tokens, and `{prompt_param}` has "
+            f"{n} tokens, which leaves no room for output. Please shorten `{prompt_param}`.")
+    if max_tokens is None:
+        return limit - n
+    if n + max_tokens > limit:
+        raise ParameterError(
+            max_tokens_param, f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{n + max_tokens} tokens ({n} in `{prompt_param}`, {max_tokens} in "
+            f"`{max_tokens_param}`). Please shorten `{prompt_param}` or lower `{max_tokens_param}`.")
+    return max_tokens
+
+
 # Integer knobs end up in int64 tensors (top_k, stop ids) or a 64-bit generator seed.
 _INT64_LIMIT = 2**63
 

@@ -108,6 +108,27 @@ def test_trace_too_short_or_bad_scale(tmp_path):
         read_trace(path, 5)
     with pytest.raises(ValueError):
         read_trace(path, 2, rate_scale=0.0)
+    with pytest.raises(ValueError, match=r"^max input length must be >= 1 \(a cap on a trace's lengths\), got 0$"):
+        read_trace(path, 2, max_input_len=0)
+    with pytest.raises(ValueError, match=r"^max output length must be >= 1"):
+        read_trace(path, 2, max_output_len=-3)
+
+
+@pytest.mark.parametrize("second_row, message", [
+    ("0.5,10,5", r"line 3: arrived_at 0.5 is before the row above it \(1.0\): a trace must be in arrival order"),
+    ("nan,10,5", r"line 3: arrived_at must be finite, got 'nan'"),
+    ("2.0,0,5", r"line 3: num_prefill_tokens must be a whole number >= 1, got 0"),
+    ("2.0,10,-3", r"line 3: num_decode_tokens must be a whole number >= 1, got -3"),
+    ("2.0,10.5,3", r"line 3: num_prefill_tokens must be a whole number >= 1, got 10.5"),
+    ("2.0,ten,3", r"line 3: num_prefill_tokens must be a number, got 'ten'"),
+    ("2.0,10", r"line 3: num_decode_tokens must be a number, got None"),
+])
+def test_a_trace_row_that_is_not_a_request_is_named(tmp_path, second_row, message):
+    path = tmp_path / "t.csv"
+    path.write_text(f"arrived_at,num_prefill_tokens,num_decode_tokens\n1.0,10,5\n{second_row}\n3.0,10,5\n")
+    with pytest.raises(ValueError, match=message):
+        read_trace(path, 3)
+    assert len(read_trace(path, 1)) == 1  # rows past those asked for are not read
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

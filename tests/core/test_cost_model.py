@@ -114,6 +114,16 @@ def test_json_round_trip_and_bad_profiles(tmp_path) -> None:
         path.write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=r"^cost profile .*: cost model decode_knee must be an integer >= 0, got"):
             load_cost_model(path)
+    # What a hand edit could get wrong and nothing else would notice.
+    for edit, match in ((lambda d: d.update(decode_kne=8), r"unknown keys \['decode_kne'\]"),
+                        (lambda d: d.pop("decode_knee"), "'decode_beyond_knee' is 0.0003 but decode_knee is 0"),
+                        (lambda d: d.update(small_step_max_tokens=0), "'small_step' is 0.004 but small_step_max_tokens"),
+                        (lambda d: d.update(swap_bytes_per_second=True), "swap_bytes_per_second must be a finite"),
+                        (lambda d: d["coefficients"].update(step=0.0, tokens=0.0), "a step would take no time")):
+        bad = model.to_dict()
+        edit(bad)
+        with pytest.raises(ValueError, match=match):
+            StepCostModel.from_dict(bad)
     # A profile written before the knee existed (no knee, no coefficient for it) has none.
     old = model.to_dict()
     del old["decode_knee"], old["coefficients"]["decode_beyond_knee"]

@@ -105,8 +105,34 @@ def test_a_prompt_that_can_never_fit_fails_alone() -> None:
     sim = make_sim(max_model_len=64)
     result = sim.run([req("long", 100, 2, 0.0), req("ok", 4, 2, 0.0)])
     long, ok = result.records
-    assert not long.success and "more than the 64" in long.error
+    assert not long.success and "maximum context length is 64 tokens, and `prompt` has 100" in long.error
     assert ok.success
+    assert_no_leaks(sim.scheduler)
+
+
+def test_what_the_server_refuses_for_its_length_fails_rather_than_being_cut_short() -> None:
+    # The server answers 400 to a prompt that leaves no room for output and to prompt + max_tokens
+    # over max_model_len (vLLM's rule); the scheduler alone would cap the output at the context.
+    sim = make_sim(max_model_len=64)
+    records = sim.run([req("over", 40, 30, 0.0), req("full", 64, 1, 0.0), req("exact", 40, 24, 0.0)]).records
+    over, full, exact = records
+    assert not over.success and over.output_tokens == 0
+    assert over.error.startswith("This model's maximum context length is 64 tokens. However, you requested 70")
+    assert not full.success and "leaves no room for output" in full.error
+    assert exact.success and exact.output_tokens == 24
+    assert_no_leaks(sim.scheduler)
+
+
+def test_a_client_that_gives_up_during_the_last_step_gets_a_failure() -> None:
+    # Steps of 0.1 s. "one" gives up at 0.05, inside the step that computes its only token;
+    # "three" at 0.25, inside the step of its last token: the engine finishes both by length,
+    # but neither client heard its last token.
+    sim = make_sim()
+    one, three, ok = sim.run([req("one", 8, 1, 0.0, abort_after_s=0.05),
+                              req("three", 8, 3, 0.0, abort_after_s=0.25), req("ok", 8, 3, 0.0)]).records
+    assert not one.success and one.output_tokens == 0 and one.error == "aborted by the client before its last token"
+    assert not three.success and three.output_tokens == 2
+    assert ok.success and ok.output_tokens == 3
     assert_no_leaks(sim.scheduler)
 
 
@@ -127,6 +153,15 @@ def test_bad_arguments() -> None:
         sim.run([req("a", 4, 1, 0.0), req("a", 4, 1, 0.0)])
     with pytest.raises(ValueError, match="max_concurrency"):
         make_sim().run([req("a", 4, 1, 0.0)], max_concurrency=0)
+    # Times and lengths a replay could not honour: each names its request and field.
+    for kw, match in ((dict(output_len=0), r"^request 'a': output_len must be an integer >= 1, got 0$"),
+                      (dict(output_len=2.0), "output_len must be an integer"),
+                      (dict(arrival_s=-1.0), r"^request 'a': arrival_s must be a finite number >= 0, got -1.0$"),
+                      (dict(arrival_s=float("nan")), "arrival_s must be a finite number"),
+                      (dict(abort_after_s=0.0), r"^request 'a': abort_after_s must be a finite number > 0 or None"),
+                      (dict(abort_after_s=float("nan")), "abort_after_s must be a finite number")):
+        with pytest.raises(ValueError, match=match):
+            SimRequest(**{"request_id": "a", "prompt_token_ids": [1, 2], "output_len": 1, "arrival_s": 0.0, **kw})
     for key, value in (("kv_cache_bytes", None), ("block_size", 0), ("kv_bytes_per_block", "x")):
         model = cost_model(step=0.1)
         if value is None:

@@ -137,28 +137,55 @@ def read_trace(path: Path, num: int, rate_scale: float = 1.0,
     """The first `num` rows of the trace, in order, so the real arrival process is kept.
 
     Arrival times are shifted to start at 0 and divided by `rate_scale` (2.0 replays the
-    trace at twice its rate). Lengths are capped, e.g. to fit the model's context.
+    trace at twice its rate). Lengths are capped, e.g. to fit the model's context. A row that
+    is not a request (a length below 1, an arrival that is not a finite number or comes before
+    the row above it) is a ValueError naming it: replaying it would time every later request
+    from the wrong start, or not at all.
     """
     if not rate_scale > 0:
         raise ValueError(f"rate scale must be > 0, got {rate_scale}")
+    for name, cap in (("max input length", max_input_len), ("max output length", max_output_len)):
+        if cap is not None and cap < 1:
+            raise ValueError(f"{name} must be >= 1 (a cap on a trace's lengths), got {cap}")
     rows: list[TraceRow] = []
     with open(path, newline="") as f:
-        for record in csv.DictReader(f):
+        for line, record in enumerate(csv.DictReader(f), start=2):  # line 1 is the header
             if len(rows) == num:
                 break
-            prompt_len = int(float(record["num_prefill_tokens"]))
-            output_len = int(float(record["num_decode_tokens"]))
+            row = _trace_row(record, f"trace {path}, line {line}")
+            if rows and row.arrival_s < rows[-1].arrival_s:
+                raise ValueError(f"trace {path}, line {line}: arrived_at {row.arrival_s} is before the "
+                                 f"row above it ({rows[-1].arrival_s}): a trace must be in arrival order")
+            prompt_len, output_len = row.prompt_len, row.output_len
             if max_input_len is not None:
                 prompt_len = min(prompt_len, max_input_len)
             if max_output_len is not None:
                 output_len = min(output_len, max_output_len)
-            rows.append(TraceRow(float(record["arrived_at"]), max(1, prompt_len),
-                                 max(1, output_len)))
+            rows.append(TraceRow(row.arrival_s, prompt_len, output_len))
     if len(rows) < num:
         raise ValueError(f"trace {path} has {len(rows)} rows, fewer than the {num} requested")
     start = rows[0].arrival_s if rows else 0.0
     return [TraceRow((r.arrival_s - start) / rate_scale, r.prompt_len, r.output_len)
             for r in rows]
+
+
+def _trace_row(record: dict[str, str | None], where: str) -> TraceRow:
+    """One CSV record as a request: arrived_at (seconds), num_prefill_tokens, num_decode_tokens."""
+    values = []
+    for column in ("arrived_at", "num_prefill_tokens", "num_decode_tokens"):
+        text = record.get(column)
+        try:
+            value = float(text)  # a length may be written "12.0"
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: {column} must be a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {column} must be finite, got {text!r}")
+        values.append(value)
+    arrival, prompt_len, output_len = values
+    for column, value in (("num_prefill_tokens", prompt_len), ("num_decode_tokens", output_len)):
+        if value < 1 or value != int(value):
+            raise ValueError(f"{where}: {column} must be a whole number >= 1, got {value:g}")
+    return TraceRow(arrival, int(prompt_len), int(output_len))
 
 
 def rate_step_arrivals(arrivals: list[float], at_index: int, scale_before: float,

@@ -160,6 +160,11 @@ def feature_vector(comp: StepComposition, small_step_max_tokens: int = 0,
             max(0, decode - decode_knee) if decode_knee else 0)
 
 
+# What a profile file holds: the model, and the samples it was fitted to (`tokenweir profile`).
+_PROFILE_KEYS = frozenset({"format", "coefficients", "swap_bytes_per_second", "small_step_max_tokens",
+                           "decode_knee", "metadata", "samples"})
+
+
 @dataclass(frozen=True)
 class StepCostModel:
     coefficients: dict[str, float]  # seconds per unit of each feature in FEATURES
@@ -183,7 +188,7 @@ class StepCostModel:
                 raise ValueError(f"cost model coefficient {name!r} must be a finite number >= 0, "
                                  f"got {value!r}")
         bw = self.swap_bytes_per_second
-        if not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
+        if isinstance(bw, bool) or not isinstance(bw, (int, float)) or not math.isfinite(bw) or bw <= 0:
             raise ValueError(f"cost model swap_bytes_per_second must be a finite number > 0, got {bw!r}")
         for name in ("small_step_max_tokens", "decode_knee"):
             value = getattr(self, name)
@@ -242,17 +247,30 @@ class StepCostModel:
 
     @classmethod
     def from_dict(cls, data: Any) -> StepCostModel:
+        """A profile as `tokenweir profile` writes it. What a hand-edited one could get wrong
+        without an error elsewhere is refused: a misspelt key (the term it names would silently
+        be 0), a coefficient whose bound is 0 (it could never act), no time for a step at all."""
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"not a step cost profile: expected an object with \"format\": \"{FORMAT}\"")
+        unknown = set(data) - _PROFILE_KEYS
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}; a profile has {sorted(_PROFILE_KEYS)}")
         try:
             coefficients = dict(data["coefficients"])
             if "decode_knee" not in data:  # written before the knee existed: it has none
                 coefficients.setdefault("decode_beyond_knee", 0.0)
-            return cls(coefficients, data["swap_bytes_per_second"],
-                       dict(data.get("metadata", {})), data.get("small_step_max_tokens", 0),
-                       data.get("decode_knee", 0))
+            model = cls(coefficients, data["swap_bytes_per_second"],
+                        dict(data.get("metadata", {})), data.get("small_step_max_tokens", 0),
+                        data.get("decode_knee", 0))
         except (KeyError, TypeError) as e:
             raise ValueError(f"step cost profile is missing or has a malformed field: {e}") from None
+        for coefficient, bound in (("decode_beyond_knee", "decode_knee"), ("small_step", "small_step_max_tokens")):
+            if model.coefficients[coefficient] > 0 and getattr(model, bound) == 0:
+                raise ValueError(f"coefficient {coefficient!r} is {model.coefficients[coefficient]} but {bound} "
+                                 "is 0 (or missing), so it could never act")
+        if model.coefficients["step"] == 0 and model.coefficients["tokens"] == 0:
+            raise ValueError("coefficients 'step' and 'tokens' are both 0: a step would take no time")
+        return model
 
 
 def load_cost_model(path: Optional[str | Path] = None) -> StepCostModel:

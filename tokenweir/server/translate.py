@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenweir.engine.client import ModelInfo
-from tokenweir.request import ParameterError, SamplingParams, SchedulingHints
+from tokenweir.request import ParameterError, SamplingParams, SchedulingHints, resolve_max_tokens
 from tokenweir.server.auth import KeyGrant
 from tokenweir.server.errors import APIError, bad_request
 from tokenweir.server.prompt_bound import max_chars_per_token, min_num_tokens
@@ -129,23 +129,11 @@ class RequestTranslator:
                            prompt_ids: list[int], prompt_param: str) -> int:
         """Check the prompt and output lengths against max_model_len, as vLLM does (400 rather
         than silently clamping); an unset max_tokens fills the rest of the context."""
-        n, limit = len(prompt_ids), self.model.max_model_len
-        if n == 0:
-            raise bad_request(f"{prompt_param} is empty: it must contain at least one token", prompt_param)
-        if n >= limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens, and `{prompt_param}` has "
-                f"{n} tokens, which leaves no room for output. Please shorten `{prompt_param}`.",
-                prompt_param)
-        if max_tokens is None:
-            return limit - n
-        if n + max_tokens > limit:
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{n + max_tokens} tokens ({n} in `{prompt_param}`, {max_tokens} in "
-                f"`{max_tokens_param}`). Please shorten `{prompt_param}` or lower "
-                f"`{max_tokens_param}`.", max_tokens_param)
-        return max_tokens
+        try:
+            return resolve_max_tokens(len(prompt_ids), max_tokens, self.model.max_model_len,
+                                      prompt_param=prompt_param, max_tokens_param=max_tokens_param)
+        except ParameterError as e:
+            raise bad_request(str(e), e.param) from None
 
     # ------------------------------------------------------------ worker threads
 

@@ -4,7 +4,8 @@ The flags are the engine's (vLLM names, as `serve` takes them) and `bench serve`
 result flags; the workload is built by `bench serve`'s own code and scored by its metric code,
 so the printed table and the JSON keys are those of `bench serve`. Every output is marked as
 simulated and names the profile it used. Outputs have exactly the workload's lengths, as with
-`bench serve --ignore-eos`.
+`bench serve --ignore-eos`; a request the server would refuse for its length (prompt and output
+over max_model_len) fails, as it would there.
 """
 
 from __future__ import annotations
@@ -119,16 +120,22 @@ def result_dict(result: SimResult, metrics: BenchmarkMetrics, ns: argparse.Names
     return out
 
 
+def on_profiled_machine(args: EngineArgs, profile: Optional[Path]) -> EngineArgs:
+    """The engine args as the simulated machine, the profile's, runs them: sla's SLO guard
+    predicts its steps with that profile, as `serve --sla-cost-profile` would there (unless
+    told otherwise). Its step-time correction would scale another profile to this one, but not
+    reshape it."""
+    if profile is not None and args.scheduling_policy == "sla" and args.sla_cost_profile is None:
+        return dataclasses.replace(args, sla_cost_profile=str(profile))
+    return args
+
+
 def main(ns: argparse.Namespace, args: EngineArgs) -> dict[str, Any]:
     slos = bench.parse_goodput(ns.goodput)
     selected = bench.parse_selected_metrics(ns.percentile_metrics)
     percentiles = bench.parse_percentiles(ns.metric_percentiles)
     cost_model = load_cost_model(ns.profile)
-    if ns.profile is not None and args.scheduling_policy == "sla" and args.sla_cost_profile is None:
-        # The simulated machine is the profile's: sla's SLO guard predicts its steps with it, as
-        # `serve --sla-cost-profile` would there (unless told otherwise). Its step-time
-        # correction would scale another profile to this one, but not reshape it.
-        args = dataclasses.replace(args, sla_cost_profile=str(ns.profile))
+    args = on_profiled_machine(args, ns.profile)
     result, wall = simulate(args, ns, cost_model, show_progress=not ns.disable_tqdm)
     metrics = compute_metrics(result.records, result.duration_s, percentiles, slos)
     rate = bench.request_rate_field(ns)

@@ -28,7 +28,7 @@ import numpy as np
 from tokenweir.bench.serve_metrics import SLO_NAMES, RequestRecord, is_good
 from tokenweir.config import EngineArgs
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
-from tokenweir.sim.run import profile_label, simulate
+from tokenweir.sim.run import on_profiled_machine, profile_label, simulate
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,7 +161,7 @@ def search(ns: argparse.Namespace, base: EngineArgs, lists: dict[str, list[Any]]
         start = ns.start_rate or (ns.request_rate if math.isfinite(ns.request_rate) else 1.0)
     capacities = []
     for overrides in engine_grid(lists):
-        args = dataclasses.replace(base, **overrides)
+        args = on_profiled_machine(dataclasses.replace(base, **overrides), ns.profile)
 
         def passes(rate: float) -> tuple[bool, float]:
             run_ns = copy.copy(ns)

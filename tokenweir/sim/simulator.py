@@ -26,7 +26,8 @@ from tokenweir.bench.serve_metrics import RequestRecord
 from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig
 from tokenweir.core.cost_model import StepCostModel, step_composition
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
-from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints
+from tokenweir.checks import is_finite_number, is_integer
+from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints, resolve_max_tokens
 from tokenweir.sim.timeseries import TimeSeries
 
 # The token every simulated row samples. Stop conditions never look at it (no EOS, no stop
@@ -45,6 +46,17 @@ class SimRequest:
     hints: SchedulingHints = SchedulingHints()
     # The client aborts the request this long after sending it, if it has not finished.
     abort_after_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        # Time 0 is the run's start and every latency counts from a send: a negative or NaN
+        # time would be measured from the wrong start, or never come.
+        if not is_integer(self.output_len) or self.output_len < 1:
+            raise ValueError(f"request {self.request_id!r}: output_len must be an integer >= 1, got {self.output_len!r}")
+        if not is_finite_number(self.arrival_s) or self.arrival_s < 0:
+            raise ValueError(f"request {self.request_id!r}: arrival_s must be a finite number >= 0, got {self.arrival_s!r}")
+        if self.abort_after_s is not None and not (is_finite_number(self.abort_after_s) and self.abort_after_s > 0):
+            raise ValueError(f"request {self.request_id!r}: abort_after_s must be a finite number > 0 or None, "
+                             f"got {self.abort_after_s!r}")
 
 
 @dataclass
@@ -72,6 +84,7 @@ class _Tracking:
     itl: list[float] = field(default_factory=list)
     done: bool = False
     end_s: float = 0.0  # when it ended, for the client (last token, abort, rejection)
+    refused: Optional[str] = None  # why the server would have answered 400, not served it
 
 
 def scheduler_configs(args: EngineArgs, model_max_len: int, kv_cache_bytes: int,
@@ -148,6 +161,12 @@ class Simulator:
             track = tracks[sim.request_id]
             track.sent_s = at
             in_flight += 1
+            try:  # what the server refuses never reaches its engine
+                resolve_max_tokens(len(sim.prompt_token_ids), sim.output_len, sched.max_model_len)
+            except ValueError as e:
+                track.refused = str(e)
+                finish(sim.request_id, at)
+                return
             params = SamplingParams(max_tokens=sim.output_len, temperature=0.0, ignore_eos=True)
             hints = sim.hints
             if hints.arrival_time is None:
@@ -155,9 +174,7 @@ class Simulator:
             track.request = Request(sim.request_id, list(sim.prompt_token_ids), params,
                                     arrival_time=at, eos_token_id=None, hints=hints)
             sched.add_request(track.request)
-            if track.request.is_finished:  # rejected on arrival (a prompt that can never fit)
-                finish(sim.request_id, at)
-            elif sim.abort_after_s is not None:
+            if sim.abort_after_s is not None:
                 heapq.heappush(aborts, (at + sim.abort_after_s, next(tie), sim.request_id))
 
         def slot_free() -> bool:
@@ -271,10 +288,17 @@ class Simulator:
     def _record(track: _Tracking) -> RequestRecord:
         request = track.request
         prompt_len = len(track.sim.prompt_token_ids)
+        if track.refused is not None:
+            return RequestRecord(success=False, prompt_len=prompt_len, output_tokens=0, error=track.refused)
         if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
             reason = request.status_message or request.status.name.lower()
             return RequestRecord(success=False, prompt_len=prompt_len,
                                  output_tokens=track.num_tokens, error=reason)
+        if track.num_tokens < track.sim.output_len:
+            # It finished in a step that ended after its client gave up: the engine hears of
+            # the abort only then, the client never heard its last tokens.
+            return RequestRecord(success=False, prompt_len=prompt_len, output_tokens=track.num_tokens,
+                                 error="aborted by the client before its last token")
         return RequestRecord(success=True, prompt_len=prompt_len, output_tokens=track.num_tokens,
                              ttft=track.first_token_s - track.sent_s,
                              latency=track.last_token_s - track.sent_s, itl=track.itl)
