@@ -164,3 +164,24 @@ def test_search_sweeps_values_that_contain_commas_separated_by_semicolons(tmp_pa
           "--vtc-tenant-weights", "a=1,b=1; a=2,b=1", "--result-dir", str(tmp_path), "--result-filename", "v.json"])
     weights = [c["engine_args"]["vtc_tenant_weights"] for c in json.loads((tmp_path / "v.json").read_text())["capacities"]]
     assert sorted(weights) == ["a=1,b=1", "a=2,b=1"]
+
+
+def test_search_gives_the_profile_to_the_sla_policy_as_simulate_does(tmp_path, monkeypatch) -> None:
+    # The simulated machine is the profile's: under sla its SLO guard and deadline checks must
+    # predict by that profile in every run search makes, as in simulate's one run. The runs are
+    # real; the wrapper only records the engine args each was given.
+    import tokenweir.sim.search as search_module
+
+    given = []
+    real = search_module.simulate
+
+    def recording(args, ns, cost_model, **kw):
+        given.append(args.sla_cost_profile)
+        return real(args, ns, cost_model, **kw)
+
+    monkeypatch.setattr(search_module, "simulate", recording)
+    profile = write_profile(tmp_path / "p.json", cost_model(step=0.01))
+    main(["simulate", "search", "--profile", str(profile), *WORKLOAD, "--scheduling-policy", "sla",
+          "--sla-drop-unmeetable", "--goodput", "ttft:1000", "--search-iterations", "1",
+          "--result-dir", str(tmp_path), "--result-filename", "s.json"])
+    assert given and set(given) == {str(profile)}
