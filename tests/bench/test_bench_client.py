@@ -88,6 +88,10 @@ def test_cli_value_parsers():
     for bad in (["itl:5"], ["ttft"], ["tpot:-1"]):
         with pytest.raises(ValueError):
             parse_goodput(bad)
+    with pytest.raises(ValueError, match=r"^--goodput ttft must be a number of ms, got 'fast'$"):
+        parse_goodput(["ttft:fast"])
+    with pytest.raises(ValueError, match=r"^--goodput ttft must be a finite number of ms >= 0, got 'nan'$"):
+        parse_goodput(["ttft:nan"])
     assert parse_selected_metrics("ttft, e2el") == ["ttft", "e2el"]
     with pytest.raises(ValueError):
         parse_selected_metrics("ttft,foo")

@@ -8,7 +8,7 @@ import pytest
 from tokenweir.bench.datasets import (PromptBuilder, make_prefix_requests, make_random_requests,
                                       make_trace_requests, rate_step_arrivals, read_trace,
                                       sample_lengths)
-from tokenweir.bench.serve import add_cli_args, build_workload, default_trace_path
+from tokenweir.bench.serve import add_cli_args, build_workload, check_counts, default_trace_path
 
 
 class CharTokenizer:
@@ -185,3 +185,15 @@ def test_shared_azure_trace_reads():
     assert rows[0].arrival_s == 0.0 and len(rows) == 200
     assert all(1 <= r.prompt_len <= 2048 for r in rows)
     assert all(b.arrival_s >= a.arrival_s for a, b in zip(rows, rows[1:]))
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--random-output-len", "0"], r"^--random-output-len must be >= 1, got 0$"),
+    (["--random-input-len", "-5"], r"^--random-input-len must be >= 1, got -5$"),
+    (["--dataset-name", "prefix", "--prefix-len=-1"], r"^--prefix-len must be >= 1, got -1$"),
+    (["--rate-scale", "2"], r"^--rate-scale applies to --dataset-name trace only, not random$"),
+    (["--max-output-len", "8"], r"^--max-output-len applies to --dataset-name trace only, not random$"),
+])
+def test_workload_flags_that_would_do_nothing_or_make_no_request_are_refused(flags, message):
+    with pytest.raises(ValueError, match=message):
+        check_counts(parse(["--num-prompts", "2", *flags]))

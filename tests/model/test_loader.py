@@ -154,6 +154,22 @@ def test_config_missing_or_bad_keys(tmp_path, tiny_model_dir):
     (dict(num_key_value_heads=0), "expected positive integers: num_key_value_heads=0$"),
     (dict(rms_norm_eps="small"), "rms_norm_eps must be a positive number, got 'small'$"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu' is not supported; supported: silu, swish$"),
+    # transformers refuses these at its first forward pass (a size mismatch) or not at all.
+    (dict(num_key_value_heads=3), r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+    (dict(head_dim=15), "head_dim must be even"),
+    (dict(tie_word_embeddings="false"), "expected true or false: tie_word_embeddings='false'$"),
+    (dict(attention_bias="false"), "expected true or false: attention_bias='false'$"),
+    (dict(eos_token_id=100000), r"eos_token_id must be a token id or a list of them, each in \[0, vocab_size=256\), got 100000$"),
+    (dict(eos_token_id=2.7), r"eos_token_id must be .*, got 2.7$"),
+    (dict(eos_token_id={"a": 1}), r"eos_token_id must be .*, got \{'a': 1\}$"),
+    (dict(rope_theta=-5), "rope_theta must be a positive number, got -5$"),
+    (dict(rope_theta=0), "rope_theta must be a positive number, got 0$"),
+    (dict(rope_scaling="linear"), "rope_scaling must be an object, got 'linear'$"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 0}), r"rope scaling 'linear' needs positive numbers: factor=0$"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": "two"}), "rope scaling 'linear' needs positive numbers: factor='two'$"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0,
+                        "original_max_position_embeddings": 64}),
+     "rope scaling 'llama3' needs high_freq_factor > low_freq_factor, got 2.0 and 2.0$"),
 ])
 def test_config_values_are_checked(tmp_path, tiny_model_dir, updates, message):
     folder = _copy(tmp_path, tiny_model_dir)
@@ -221,6 +237,69 @@ def test_missing_and_unexpected_weights(tmp_path, tiny_model_dir):
         load_model(str(folder))
 
 
+def test_a_sharded_folder_reads_the_files_its_index_lists(tmp_path, tiny_model_dir):
+    # As transformers does: another export beside the shards (Mistral's consolidated.safetensors)
+    # is not part of the checkpoint. A weight in two listed files is refused, not picked by order.
+    from safetensors.torch import load_file, save_file
+
+    folder = _copy(tmp_path, tiny_model_dir)
+    weights = load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    names = sorted(weights)
+    halves = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, keys in halves.items():
+        save_file({k: weights[k] for k in keys}, str(folder / file))
+    index = {"metadata": {}, "weight_map": {k: file for file, keys in halves.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({"layers.0.attention.wq.weight": torch.zeros(4, 4)}, str(folder / "consolidated.safetensors"))
+    assert load_model(str(folder), dtype="float32", device="cpu").arch.num_hidden_layers == 3
+
+    save_file({names[0]: weights[names[0]]}, str(folder / "model-00002-of-00002.safetensors"))
+    save_file({k: weights[k] for k in names[1:]}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({names[0]: weights[names[0]]}, str(folder / "model-00003.safetensors"))
+    index["weight_map"] = {k: "model-00001-of-00002.safetensors" for k in names[1:]}
+    index["weight_map"][names[0]] = "model-00003.safetensors"
+    index["weight_map"]["x"] = "model-00002-of-00002.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=f"weight '{names[0]}' is also in model-0000"):
+        load_model(str(folder))
+    index["weight_map"]["y"] = "missing.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="its weight_map must name files of this folder; .*'missing.safetensors'$"):
+        load_model(str(folder))
+    (folder / "model.safetensors.index.json").write_text("[]")
+    with pytest.raises(ValueError, match="not a safetensors index"):
+        load_model(str(folder))
+
+
+def test_a_gguf_is_converted_by_its_contents_not_its_name_and_size(tmp_path, tiny_model_dir, monkeypatch):
+    # Two fine-tunes of one base: same file name, same size, same first and last MiB; only a
+    # middle tensor differs. Each must load its own weights.
+    from tokenweir.model import gguf_conversion
+
+    monkeypatch.setattr(gguf_conversion, "cache_root", lambda: tmp_path / "cache")
+    from tests.model.tiny_models import make_tiny_model
+
+    (tmp_path / "a").mkdir()
+    wide = make_tiny_model(str(tmp_path / "wide"), "llama", intermediate_size=2048)
+    first = Path(write_tiny_gguf(wide, str(tmp_path / "a" / "model.gguf")))
+    data = bytearray(first.read_bytes())
+    assert len(data) > 4 << 20  # past the first and last MiB, which a cheaper key would read
+    second = tmp_path / "b" / "model.gguf"
+    second.parent.mkdir()
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(255 - b for b in data[middle:middle + 64])
+    second.write_bytes(bytes(data))
+    assert os.path.getsize(first) == os.path.getsize(second)
+    a, b = load_model(str(first), dtype="float32", device="cpu"), load_model(second, dtype="float32", device="cpu")
+    assert a.path != b.path
+    differs = [n for n, p in a.model.named_parameters() if not torch.equal(p, dict(b.model.named_parameters())[n])]
+    assert differs
+    # A second load of the same file reuses its folder (its digest remembered, not recomputed).
+    assert ensure_hf_folder(str(first)) == a.path
+
+
 def test_folder_without_tokenizer(tmp_path, tiny_model_dir):
     folder = _copy(tmp_path, tiny_model_dir)
     (folder / "tokenizer.json").unlink()
@@ -279,3 +358,9 @@ def test_resolve_dtype():
     assert resolve_dtype("auto", cpu) is (torch.bfloat16 if fast else torch.float32)
     with pytest.raises(ValueError, match="unsupported dtype"):
         resolve_dtype("int3", cpu)
+    for dtype in (torch.int8, torch.float64):
+        with pytest.raises(ValueError, match="the model runs in float32, bfloat16 or float16"):
+            resolve_dtype(dtype, cpu)
+    for dtype in (None, 16):
+        with pytest.raises(ValueError, match="dtype must be a name"):
+            resolve_dtype(dtype, cpu)

@@ -128,9 +128,12 @@ def parse_goodput(items: list[str] | None) -> dict[str, float]:
         if not sep or name not in SLO_NAMES:
             raise ValueError(f"bad --goodput item {item!r}; "
                              f"use METRIC:MS with METRIC in {SLO_NAMES}")
-        slos[name] = float(value)
-        if slos[name] < 0:
-            raise ValueError(f"--goodput {name} must be >= 0 ms")
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"--goodput {name} must be a number of ms, got {value!r}") from None
+        if not math.isfinite(slos[name]) or slos[name] < 0:
+            raise ValueError(f"--goodput {name} must be a finite number of ms >= 0, got {value!r}")
     return slos
 
 
@@ -269,6 +272,17 @@ def check_counts(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-concurrency must be >= 1 (leave it out for no limit), got {args.max_concurrency}")
     if args.num_prefixes < 1:
         raise ValueError(f"--num-prefixes must be >= 1, got {args.num_prefixes}")
+    # Lengths of the synthetic datasets: a request of no tokens is no request (the server would
+    # refuse every one), so a length below 1 is refused here rather than made 1.
+    for flag in ("random_input_len", "random_output_len", "prefix_len", "suffix_len"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.dataset_name != "trace":
+        given = [flag for flag, default in (("rate_scale", 1.0), ("max_input_len", None), ("max_output_len", None))
+                 if getattr(args, flag) != default]
+        if given:
+            raise ValueError(f"--{given[0].replace('_', '-')} applies to --dataset-name trace only, "
+                             f"not {args.dataset_name}")
 
 
 async def _benchmark(args: argparse.Namespace) -> dict:

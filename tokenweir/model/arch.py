@@ -17,6 +17,7 @@ _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # config.json keys with no sensible default: without one the config describes no model.
 _REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Sizes config.json may leave out (defaults apply), but which must be positive integers if given.
+_FLAG_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 _OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
 # The decoder's MLP is SwiGLU: SiLU is the only activation it computes.
 _SUPPORTED_ACTIVATIONS = ("silu", "swish")
@@ -115,9 +116,16 @@ def kv_cache_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: str 
 def _rope_settings(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
     # transformers 5 writes "rope_parameters" (theta inside); older files write "rope_theta"
     # and an optional "rope_scaling" whose type key is "rope_type" or, older still, "type".
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or params
-    theta = cfg.get("rope_theta") or params.get("rope_theta") or scaling.get("rope_theta") or 10000.0
+    params, scaling = cfg.get("rope_parameters"), cfg.get("rope_scaling")
+    for key, value in (("rope_parameters", params), ("rope_scaling", scaling)):
+        if value is not None and not isinstance(value, dict):
+            raise ValueError(f"{source}: {key} must be an object, got {value!r:.80}")
+    params = params or {}
+    scaling = scaling or params
+    theta = next((t for t in (cfg.get("rope_theta"), params.get("rope_theta"), scaling.get("rope_theta"))
+                  if t is not None), 10000.0)
+    if not is_finite_number(theta) or theta <= 0:
+        raise ValueError(f"{source}: rope_theta must be a positive number, got {theta!r}")
     rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type not in _SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -131,6 +139,14 @@ def _rope_settings(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, A
     missing = [k for k in needed if k not in scaling]
     if missing:
         raise ValueError(f"{source}: rope scaling {rope_type!r} lacks {', '.join(missing)}")
+    # A factor of 0 or below makes NaN rotary tables: every output would be garbage, silently.
+    bad = [f"{k}={scaling[k]!r}" for k in needed if not is_finite_number(scaling[k]) or scaling[k] <= 0
+           or (k == "original_max_position_embeddings" and not is_integer(scaling[k]))]
+    if bad:
+        raise ValueError(f"{source}: rope scaling {rope_type!r} needs positive numbers: {', '.join(bad)}")
+    if rope_type == "llama3" and not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ValueError(f"{source}: rope scaling 'llama3' needs high_freq_factor > low_freq_factor, got "
+                         f"{scaling['high_freq_factor']!r} and {scaling['low_freq_factor']!r}")
     return float(theta), {"rope_type": rope_type, **{k: scaling[k] for k in needed}}
 
 
@@ -148,6 +164,19 @@ def _check_config_values(cfg: dict[str, Any], source: str) -> None:
     act = cfg.get("hidden_act", "silu")
     if act not in _SUPPORTED_ACTIVATIONS:
         raise ValueError(f"{source}: hidden_act {act!r} is not supported; supported: {', '.join(_SUPPORTED_ACTIVATIONS)}")
+    # "false" in quotes is a true value to Python: read as written, it would pick another model.
+    bad = [f"{k}={cfg[k]!r}" for k in _FLAG_KEYS if cfg.get(k) is not None and not isinstance(cfg[k], bool)]
+    if bad:
+        raise ValueError(f"{source}: expected true or false: {', '.join(bad)}")
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ValueError(f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
+                         f"({kv_heads}): each KV head serves a whole group of query heads")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    if head_dim % 2:
+        raise ValueError(f"{source}: head_dim must be even (rotary embeddings turn pairs of components), "
+                         f"got {head_dim}")
 
 
 def _rope_freq_factors(cfg: dict[str, Any], head_dim: int, source: str) -> tuple[float, ...] | None:
@@ -164,10 +193,14 @@ def _rope_freq_factors(cfg: dict[str, Any], head_dim: int, source: str) -> tuple
     return tuple(float(f) for f in factors)
 
 
-def _as_ids(value: Any) -> list[int]:
+def _as_ids(value: Any, vocab_size: int, where: str) -> list[int]:
     if value is None:
         return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    ids = value if isinstance(value, list) else [value]
+    if not all(is_integer(t) and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"{where}: eos_token_id must be a token id or a list of them, each in "
+                         f"[0, vocab_size={vocab_size}), got {value!r:.80}")
+    return list(ids)
 
 
 def arch_from_hf_config(
@@ -194,8 +227,8 @@ def arch_from_hf_config(
     if is_qwen2 and not cfg.get("use_sliding_window", False):
         window = None
     # Llama 3 instruct lists its end-of-turn tokens only in generation_config.json.
-    eos = _as_ids(cfg.get("eos_token_id"))
-    for tok in _as_ids((generation_cfg or {}).get("eos_token_id")):
+    eos = _as_ids(cfg.get("eos_token_id"), cfg["vocab_size"], source)
+    for tok in _as_ids((generation_cfg or {}).get("eos_token_id"), cfg["vocab_size"], "generation_config.json"):
         if tok not in eos:
             eos.append(tok)
     return ModelArchConfig(

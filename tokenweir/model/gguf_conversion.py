@@ -33,15 +33,33 @@ _CONVERSION_REVISION = 1
 
 
 def _cache_folder(gguf_path: str) -> Path:
-    # Size plus the first and last MiB (header, metadata, tokenizer, first and last tensors):
-    # cheap, and unlike mtime it survives a reinstall of the same file.
-    size = os.path.getsize(gguf_path)
-    h = hashlib.sha256(f"{size}:r{_CONVERSION_REVISION}".encode())
-    with open(gguf_path, "rb") as f:
-        h.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        h.update(f.read())
-    return cache_root() / f"{Path(gguf_path).stem}-{h.hexdigest()[:12]}"
+    """The converted folder of this file's contents: named by a hash of the whole file, so two
+    files that differ anywhere (two fine-tunes of one base, of one size and name) never share
+    one. Hashing a large file takes seconds, so the hash is remembered per (path, size,
+    mtime, inode): only a new or changed file is hashed again, and a reinstalled copy of the
+    same bytes finds the folder it was converted to."""
+    st = os.stat(gguf_path)
+    stamp = f"{os.path.realpath(gguf_path)}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+    stamp_file = cache_root() / "gguf-digests" / hashlib.sha256(stamp.encode()).hexdigest()[:32]
+    try:
+        digest = stamp_file.read_text().strip()
+    except OSError:
+        digest = ""
+    if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+        digest = _file_digest(gguf_path)
+        stamp_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = stamp_file.with_name(f".{stamp_file.name}.{os.getpid()}")
+        tmp.write_text(digest)
+        os.replace(tmp, stamp_file)  # atomic: a concurrent reader sees none or all of it
+    return cache_root() / f"{Path(gguf_path).stem}-r{_CONVERSION_REVISION}-{digest[:16]}"
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _unpermute_rope(w: Any, n_head: int) -> Any:
@@ -114,7 +132,7 @@ def _gguf_tensors(reader: Any, gguf_arch: str, num_heads: int, num_kv_heads: int
         elif stem in _GGUF_GLOBAL_NAMES:
             name = f"{_GGUF_GLOBAL_NAMES[stem]}.{kind}"
         else:
-            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file (not a weight of a {gguf_arch} model)")
         w = dequantize(t.data, t.tensor_type)
         if gguf_arch == "llama" and stem.endswith(("attn_q", "attn_k")):
             w = _unpermute_rope(w, num_heads if stem.endswith("attn_q") else num_kv_heads)
@@ -170,7 +188,11 @@ def ensure_hf_folder(gguf_path: str) -> str:
     # or a complete one. If another process won the race, keep its folder.
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        _write_hf_folder(gguf_path, reader, gguf_arch, rope, tmp)
+        try:
+            _write_hf_folder(gguf_path, reader, gguf_arch, rope, tmp)
+        except Exception as e:  # ours, or whatever transformers' GGUF readers raise on this file
+            first_line = str(e).strip().partition("\n")[0]
+            raise ValueError(f"{gguf_path}: could not be converted ({type(e).__name__}: {first_line})") from e
         try:
             os.rename(tmp, target)
         except OSError:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from tokenweir.model.llama import LlamaForCausalLM, checkpoint_weights
 
 # Any of these gives AutoTokenizer a vocabulary (tokenizer_config.json alone does not).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_INDEX_FILE = "model.safetensors.index.json"  # a sharded checkpoint's map of weight -> file
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -74,7 +76,11 @@ def cpu_has_fast_bf16() -> bool:
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
     """ "auto": bf16 on CUDA and on CPUs with native bf16 dot products, else fp32."""
     if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"unsupported dtype {dtype}; the model runs in float32, bfloat16 or float16")
         return dtype
+    if not isinstance(dtype, str):
+        raise ValueError(f"dtype must be a name (auto, float32, bfloat16, ...) or a torch dtype, got {dtype!r}")
     if dtype == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
@@ -95,12 +101,36 @@ def _safetensors(file: Path) -> Iterator[Any]:
         raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {first_line})") from e
 
 
+def _weight_files(folder: Path) -> list[Path]:
+    """The checkpoint's files: those its index lists when it has one (as transformers reads
+    it: a folder may also hold another export, Mistral's consolidated.safetensors say), else
+    every *.safetensors file."""
+    index = folder / _INDEX_FILE
+    if not index.is_file():
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{folder}: no *.safetensors weight files")
+        return files
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"{index}: not a safetensors index (an object with a \"weight_map\"): {e}") from None
+    bad = [n for n in names if not isinstance(n, str) or Path(n).name != n or not (folder / n).is_file()]
+    if bad or not names:
+        raise ValueError(f"{index}: its weight_map must name files of this folder; missing or not file names: "
+                         f"{_listed([str(n) for n in bad]) or 'none listed'}")
+    return [folder / n for n in names]
+
+
 def _weight_shapes(files: list[Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
     """name -> (file, shape) from the safetensors headers, reading no tensor data."""
-    found = {}
+    found: dict[str, tuple[Path, tuple[int, ...]]] = {}
     for file in files:
         with _safetensors(file) as f:
             for key in f.keys():
+                if key in found:  # which copy would load is an accident of file order
+                    raise ValueError(f"{file}: weight {key!r} is also in {found[key][0].name}")
                 found[key] = (file, tuple(f.get_slice(key).get_shape()))
     return found
 
@@ -150,6 +180,10 @@ def load_model(
     model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
 ) -> LoadedModel:
     """Load `model` (HF folder, GGUF file, or None for the default SmolLM2-135M-Instruct)."""
+    if model is not None:
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path (an HF folder or a .gguf file), got {model!r}")
+        model = os.fspath(model)
     if model is None:
         gguf_path, name = default_model_path(), DEFAULT_MODEL_NAME
     elif not os.path.exists(model):
@@ -164,9 +198,7 @@ def load_model(
 
     # Everything that can be wrong with the folder is checked before the weights are read.
     arch = arch_from_hf_folder(folder)
-    weight_files = sorted(folder.glob("*.safetensors"))
-    if not weight_files:
-        raise FileNotFoundError(f"{folder}: no *.safetensors weight files")
+    weight_files = _weight_files(folder)
     _check_weights(_weight_shapes(weight_files), arch, folder)
     tokenizer = _load_tokenizer(folder)
 
