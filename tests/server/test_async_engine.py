@@ -65,6 +65,27 @@ def test_duplicate_request_id_is_rejected(clean):
     assert asyncio.run(run())[-1].outputs[0].finish_reason == "length"
 
 
+def test_an_id_reused_after_its_stream_was_closed_early_names_the_new_request(clean):
+    # Closing a stream early frees its id at once; the old request's final (aborted) output
+    # comes later and must not take the new request's registration with it, or aborting the
+    # new one would do nothing and it would run to max_tokens.
+    async def run():
+        params = SamplingParams(max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)
+        first = await clean.add_request("reused", [5, 6, 7], params)
+        await first.__anext__()
+        await first.aclose()
+        second = await clean.add_request("reused", [5, 6, 7], params)
+        await second.__anext__()
+        wait_until(lambda: clean.num_unfinished_requests() == 1, "the first request's abort")
+        await asyncio.sleep(0.05)  # its final output reaches the loop
+        clean.abort("reused")
+        return [out async for out in second]
+
+    rest = asyncio.run(run())
+    assert rest[-1].outputs[0].finish_reason == "abort"
+    assert len(rest[-1].outputs[0].token_ids) < MAX_MODEL_LEN - 10
+
+
 def test_abort_ends_the_stream(clean):
     async def run():
         params = SamplingParams(max_tokens=MAX_MODEL_LEN - 10, ignore_eos=True)

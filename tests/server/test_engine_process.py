@@ -159,6 +159,33 @@ def test_a_killed_engine_process_fails_every_stream_and_every_later_call(tiny_mo
         engine.shutdown()
 
 
+def test_a_sigterm_to_the_engine_process_lets_its_streams_finish(clean):
+    # What a supervisor's SIGTERM to the whole process group delivers to the engine process:
+    # the server drains its streams and then closes the pipe; the engine must serve them.
+    async def run():
+        outputs = await clean.add_request("drained", [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True))
+        await outputs.__anext__()
+        os.kill(clean.process.pid, signal.SIGTERM)
+        return [out async for out in outputs]
+
+    outputs = asyncio.run(run())
+    assert outputs[-1].outputs[0].finish_reason == "length" and len(outputs[-1].outputs[0].token_ids) == 40
+    assert clean.is_running and clean.process.is_alive()
+
+
+def test_shutdown_kills_an_engine_process_that_does_not_answer(tiny_model_dir):
+    import threading
+
+    engine = make_mp_engine(tiny_model_dir("llama"))
+    engine.shutdown_timeout_s = 1.0
+    os.kill(engine.process.pid, signal.SIGSTOP)  # a process hung in a step, as far as the server sees
+    stopper = threading.Thread(target=engine.shutdown)
+    stopper.start()
+    stopper.join(60)
+    assert not stopper.is_alive(), "shutdown waited for a process that does not answer"
+    assert not engine.process.is_alive() and not engine.is_running
+
+
 def test_a_bad_model_path_raises_in_the_servers_process(tmp_path):
     with pytest.raises(Exception, match=str(tmp_path / "missing")) as info:
         MPAsyncLLMEngine(EngineArgs(model=str(tmp_path / "missing"), device="cpu"), startup_timeout_s=300)

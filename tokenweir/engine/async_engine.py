@@ -52,7 +52,7 @@ class RequestStream:
     """
 
     def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
-                 on_done: Callable[[str], None]) -> None:
+                 on_done: Callable[[RequestStream], None]) -> None:
         self.request_id = request_id
         self._loop = loop
         self._on_done = on_done
@@ -108,7 +108,7 @@ class RequestStream:
     def _finish(self) -> None:
         if not self.done:
             self.done = True
-            self._on_done(self.request_id)
+            self._on_done(self)
 
     async def get(self) -> RequestOutput:
         """The newest output; raises the request's error once the outputs before it are read."""
@@ -215,13 +215,20 @@ class AsyncLLMEngine:
         self._dead: Optional[BaseException] = None
         # Loop side: requests with a live stream, and adds the engine has not acknowledged yet.
         self._active: dict[str, RequestStream] = {}
-        self._num_in_transit = 0
+        # Adds handed to the engine, counted by the loop; the engine's side counts those it has
+        # taken (see `_published`).
+        self._num_submitted = 0
         # Adds submitted and not yet acknowledged: set by the event loop under the submit lock,
         # taken by the sink's thread on the ack (or failed when the engine dies).
         self._pending: dict[str, tuple[RequestStream, SchedulingHints]] = {}
-        # Published by the sink after each command batch and step (plain int stores), and the
-        # waiting count also once each step has scheduled.
-        self._num_waiting = 0
+        # Published by the sink after each command batch and step, and once each step has
+        # scheduled, as one tuple (one reference store, read whole by the loop): the adds the
+        # engine has taken so far (accepted or refused) and its waiting count, which counts the
+        # accepted ones among them. Two separate stores would let the loop read a request twice
+        # (in the waiting count and still in transit) or not at all, and the server's waiting
+        # limit refuse one request too many or admit one too many.
+        self._num_taken = 0  # the sink's own running count, published with the waiting count
+        self._published: tuple[int, int] = (0, 0)
         self._num_unfinished = 0
         self._stats = stats
 
@@ -252,7 +259,8 @@ class AsyncLLMEngine:
 
     def num_waiting_requests(self) -> int:
         """Requests not running yet: waiting in the scheduler or still on their way to it."""
-        return self._num_waiting + self._num_in_transit
+        num_taken, num_waiting = self._published
+        return num_waiting + self._num_submitted - num_taken
 
     def num_unfinished_requests(self) -> int:
         """Requests the engine holds or that still have a live stream."""
@@ -273,14 +281,11 @@ class AsyncLLMEngine:
         stream = RequestStream(request_id, asyncio.get_running_loop(), self._forget)
         self._submit(AddCommand(request_id, prompt, params, hints, prompt_text), pending=(stream, hints))
         self._active[request_id] = stream
-        self._num_in_transit += 1
         try:
             await stream.accepted
         except asyncio.CancelledError:
             self.abort(request_id)  # the caller is gone; the engine may still accept it
             raise
-        finally:
-            self._num_in_transit -= 1
         return RequestOutputs(stream, self._close_stream)
 
     async def generate(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
@@ -299,7 +304,7 @@ class AsyncLLMEngine:
             self.abort(stream.request_id)
             # Nobody reads this stream any more (its event loop may even be closing): the
             # engine's own count covers the request until the abort has run.
-            self._forget(stream.request_id)
+            self._forget(stream)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (a client went away). Its blocks are freed before the next step;
@@ -314,8 +319,11 @@ class AsyncLLMEngine:
         self._submit(ShutdownCommand(), quiet=True)
         self._thread.join()
 
-    def _forget(self, request_id: str) -> None:
-        self._active.pop(request_id, None)
+    def _forget(self, stream: RequestStream) -> None:
+        # By identity: a stream closed early is forgotten at once, so its id may already name a
+        # new request when the old one's final (aborted) output arrives and forgets it again.
+        if self._active.get(stream.request_id) is stream:
+            del self._active[stream.request_id]
 
     def _submit(self, command: Command, quiet: bool = False,
                 pending: Optional[tuple[RequestStream, SchedulingHints]] = None) -> None:
@@ -332,6 +340,8 @@ class AsyncLLMEngine:
                 if pending is not None:
                     self._pending.pop(pending[0].request_id, None)
                 raise
+            if pending is not None:
+                self._num_submitted += 1
 
     def _send(self, command: Command) -> None:
         """Hand a command to the engine loop (called under the submit lock)."""
@@ -380,6 +390,7 @@ class AsyncLLMEngine:
     # ================================================================ the engine loop's sink
 
     def on_accepted(self, request_id: str, error: Optional[BaseException]) -> None:
+        self._num_taken += 1  # published with the waiting count that counts it (core_loop._accept)
         entry = self._pending.pop(request_id, None)
         if entry is None:
             return
@@ -402,12 +413,12 @@ class AsyncLLMEngine:
         self.metrics.record_iteration(num_scheduled_tokens)
 
     def on_waiting(self, num_waiting: int) -> None:
-        self._num_waiting = num_waiting
+        self._published = (self._num_taken, num_waiting)
 
     def on_stats(self, stats: SchedulerStats, num_unfinished: int) -> None:
         self._stats = stats
         self.metrics.record_scheduler_stats(stats)
-        self._num_waiting = stats.num_waiting
+        self._published = (self._num_taken, stats.num_waiting)
         self._num_unfinished = num_unfinished
         if self._stats_logger is not None:
             self._stats_logger.maybe_log(stats, self._clock())

@@ -120,11 +120,13 @@ class CoreLoop:
         return shutdown
 
     def _accept(self, acks: list[tuple[str, Optional[BaseException]]]) -> None:
-        # Stats first, acks second: the server counts an add as waiting until its ack, so the
-        # sum it reads never misses a request.
-        self._publish_stats()
+        # Acks first, stats second: the front counts an add in transit until the engine's
+        # published count of the adds it took covers it, and that count goes out with the
+        # waiting count in one piece (AsyncLLMEngine._published), so a request is never counted
+        # twice or missed.
         for request_id, error in acks:
             self.sink.on_accepted(request_id, error)
+        self._publish_stats()
 
     def _add(self, command: AddCommand) -> Optional[BaseException]:
         try:

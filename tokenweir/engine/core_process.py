@@ -121,7 +121,11 @@ def _command_source(conn: Connection, idle_wait_s: Optional[float]) -> CommandSo
 def run_engine_process(args: EngineArgs, step_trace_path: Optional[str], idle_wait_s: Optional[float],
                        commands: Connection, events: Connection) -> None:
     """The engine process's main: load, report ready, run the loop, release, report the exit."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Ctrl-C and a supervisor's SIGTERM reach the whole process group (systemd's default
+    # KillMode signals every process of the service): the server drains its streams, then
+    # closes the pipe, which ends this process. Dying at the signal would fail them all.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     from tokenweir.cli import configure_logging
     from tokenweir.engine.core import EngineCore
     from tokenweir.engine.step_trace import StepTrace
@@ -161,6 +165,9 @@ def run_engine_process(args: EngineArgs, step_trace_path: Optional[str], idle_wa
 
 class MPAsyncLLMEngine(AsyncLLMEngine):
     """AsyncLLMEngine's front, with the engine loop in a process of its own."""
+
+    # How long `shutdown` waits for the engine process to finish its step and exit.
+    shutdown_timeout_s = 30.0
 
     def __init__(self, args: EngineArgs, *, log_stats: Optional[bool] = None,
                  stats_interval_s: float = STATS_LOG_INTERVAL_S, step_trace_path: Optional[str] = None,
@@ -212,12 +219,18 @@ class MPAsyncLLMEngine(AsyncLLMEngine):
                 return
 
     def shutdown(self) -> None:
-        """Stop the engine process; requests in flight fail with EngineDeadError."""
+        """Stop the engine process; requests in flight fail with EngineDeadError. A process
+        that does not answer within `shutdown_timeout_s` (hung in a step, stopped) is killed."""
         self._submit(ShutdownCommand(), quiet=True)
-        self._thread.join()
+        # The reader ends when the process reports its exit or its pipe closes.
+        self._thread.join(self.shutdown_timeout_s)
+        if self._thread.is_alive():
+            logger.warning("the engine process did not stop within %.0f s; killing it", self.shutdown_timeout_s)
+            self.process.kill()
+            self._thread.join()
         self._outbox.put(None)
         self._sender.join()
-        self.process.join(30)
+        self.process.join(self.shutdown_timeout_s)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
