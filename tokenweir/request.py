@@ -50,6 +50,10 @@ _FINISH_REASONS = {
 }
 
 
+# Temperatures below this sample greedily (as vLLM's 1e-5: dividing by them would overflow).
+GREEDY_TEMPERATURE = 1e-5
+
+
 class ParameterError(ValueError):
     """A request parameter out of range; `param` names it (as a client spells it), so the
     server can answer with OpenAI's `param` field without parsing the message."""
@@ -156,7 +160,7 @@ class SchedulingHints:
 class SamplingParams:
     """How to sample one request's output. Validated on construction (precise ValueErrors).
 
-    `top_k` 0 or -1 and `top_p` 1.0 and `min_p` 0.0 mean "off"; `temperature` 0 means greedy.
+    `top_k` 0 or -1 and `top_p` 1.0 and `min_p` 0.0 mean "off"; `temperature` below 1e-5 (0 included) means greedy.
     `max_tokens=None` lets the request run until EOS or `max_model_len`.
     """
 
@@ -233,7 +237,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(eq=False, slots=True)

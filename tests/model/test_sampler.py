@@ -163,3 +163,34 @@ def test_plain_and_filtered_rows_in_one_batch():
     assert out.token_ids[1:] == best[1:]  # greedy, top-k 1, and min-p 1 all take the best token
     # The plain row samples from its whole distribution, unaffected by its neighbours' filters.
     assert out.token_ids[0] == reference_tokens(x[0], seed=1, steps=1, best_first=False)[0] != best[0]
+
+
+@pytest.mark.parametrize("params", [dict(top_k=8), dict(top_p=0.5), dict(top_k=8, top_p=0.7)])
+def test_tied_logits_give_a_seeded_row_the_same_token_whatever_its_batch_mates(params):
+    # bf16 logits tie often. Which tied tokens are kept and in which order the draw reads them
+    # must follow the exact sampler (ties by ascending id), not the width the group's other
+    # rows set (a top_k=40 mate) nor the full sort a flat top_p mate forces.
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(1, 4000, generator=g) * 2).round() / 2  # few distinct values: ties everywhere
+    mates = {"top_k": [40], "top_p": [0.999]}
+    for seed in range(40):
+        want = reference_tokens(x[0], seed=seed, steps=1, **params)
+        rows = {name: [value, *mates[name]] for name, value in params.items()}
+        for batch, kw in ((x, {k: [v] for k, v in params.items()}), (x.repeat(2, 1), rows)):
+            gens = [torch.Generator().manual_seed(seed)] + [None] * (batch.shape[0] - 1)
+            token = sample(batch, temperature=[1.0] * batch.shape[0], generators=gens, **kw).token_ids[0]
+            assert token == want[0], (seed, params, batch.shape[0])
+
+
+def test_parameters_at_the_edge_of_float32_still_sample_the_right_set():
+    x = logits(4, seed=11)
+    # top_p that float32 rounds to 0 keeps the best token, as a tiny one does.
+    assert sample(x, temperature=[1.0] * 4, top_p=[1e-46] * 4).token_ids == x.argmax(-1).tolist()
+    # A temperature past float32's range with a banned id: never the banned one (-inf / inf was NaN).
+    out = sample(x, temperature=[1e39] * 4, min_tokens=[5] * 4, output_lens=[0] * 4,
+                 stop_token_ids=[[V - 1]] * 4)
+    assert V - 1 not in out.token_ids
+    # Logprobs of more tokens than the vocabulary has: all of them.
+    small = logits(2, seed=12)[:, :5]
+    out = sample(small, temperature=[0.0, 1.0], num_logprobs=[20, None])
+    assert len(out.top_logprobs[0]) == 5 and out.top_logprobs[1] is None

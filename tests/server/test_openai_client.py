@@ -145,6 +145,16 @@ def test_logprobs(server):
         assert 1 <= len(top) <= 3 and token_lp == pytest.approx(max(top.values()))
         assert top[token] == pytest.approx(token_lp)
 
+    # Sampled: the sampled token's logprob is always there, as in OpenAI's legacy logprobs (up
+    # to logprobs + 1 entries), whether or not it is among the best.
+    out = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=2.0, logprobs=1,
+                               seed=7, extra_body={"ignore_eos": True})
+    lp = out.choices[0].logprobs
+    # (Keyed by text: where another id spells the same text, the likelier one's logprob stays.)
+    assert all(token in top and top[token] >= token_lp - 1e-6 and 1 <= len(top) <= 2
+               for token, token_lp, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs))
+    assert any(token_lp < max(top.values()) for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs))
+
     chat = c.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5, logprobs=True,
                                      top_logprobs=2, extra_body={"ignore_eos": True}, **SEEDED)
     content = chat.choices[0].logprobs.content

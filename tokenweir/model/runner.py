@@ -9,7 +9,8 @@ A step is a transaction: the scheduler's `num_computed_tokens` says where each r
 (the runner keeps no count of its own that could drift), and the runner's state takes the
 step's new requests, block ids and sampled tokens only once the forward pass and sampling have
 succeeded. A step that raised leaves the runner as it was, so the same SchedulerOutput can be
-run again, or its requests dropped (`drop_requests`).
+run again, or its requests dropped (`drop_requests`), except for the seeded generators its
+draws advanced (the engine fails a failed step's requests, so none is drawn from again).
 
 Swap preemption: a swapped-out request is dropped like a preempted one (its generator kept) and
 comes back as a new request whose computed tokens' K/V the step's swap-in copies restore. The

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from tokenweir.model import kernels
+from tokenweir.request import GREEDY_TEMPERATURE
 
-# Temperatures below this are treated as greedy (dividing by them would overflow).
-_GREEDY_TEMPERATURE = 1e-5
+# A larger temperature is float32's inf, and -inf (a banned id) / inf is NaN: every row the
+# same, so as good as uniform already.
+_MAX_TEMPERATURE = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -66,7 +68,7 @@ class SamplingMetadata:
         (kept by the caller across steps); None rows use the global RNG.
         """
         n = len(temperature)
-        greedy = [t < _GREEDY_TEMPERATURE for t in temperature]
+        greedy = [t < GREEDY_TEMPERATURE for t in temperature]
         ks = [k if k > 0 else 0 for k in top_k] if top_k is not None else [0] * n
         ps = [float("inf") if p >= 1.0 else float(p) for p in top_p] if top_p is not None else [float("inf")] * n
         gens = list(generators) if generators is not None else [None] * n
@@ -100,7 +102,8 @@ class SamplingMetadata:
                 banned = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
 
         return cls(
-            temperature=torch.tensor([1.0 if g else float(t) for g, t in zip(greedy, temperature)], device=device),
+            temperature=torch.tensor([1.0 if g else min(float(t), _MAX_TEMPERATURE) for g, t in zip(greedy, temperature)],
+                                     device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
             all_greedy=all(greedy),
             groups=groups,
@@ -165,7 +168,7 @@ def _filter(scaled: torch.Tensor, group: RowGroup) -> tuple[torch.Tensor, torch.
     k = torch.where(group.top_k > 0, group.top_k, vocab).clamp_(max=vocab)
     use_top_p = bool(torch.isfinite(group.top_p).any())
     width = min(vocab, int(k.max()), _TOP_P_CANDIDATES if use_top_p else vocab)
-    values, ids = scaled.topk(width, dim=-1)  # sorted, best first
+    values, ids = _best(scaled, width)
     values = _mask_beyond_top_k(values, k)
     if not use_top_p:
         return values.softmax(dim=-1), ids
@@ -179,12 +182,36 @@ def _filter(scaled: torch.Tensor, group: RowGroup) -> tuple[torch.Tensor, torch.
     # The candidates hold a row's nucleus if they hold its whole top-k set, or (without top-k)
     # at least top_p of its mass. A top-k set larger than the candidates has an unknown mass.
     if width < vocab and not bool(((k <= width) | ((k == vocab) & (cumulative[:, -1] >= group.top_p))).all()):
-        values, ids = scaled.sort(dim=-1, descending=True)
+        values, ids = _best(scaled, vocab)
         values = _mask_beyond_top_k(values, k)
         probs = values.softmax(dim=-1)
         cumulative = probs.cumsum(dim=-1)
     outside = (cumulative - probs) >= group.top_p[:, None]
+    outside[:, 0] = False  # the best token is always in (a top_p that float32 rounds to 0)
     return values.masked_fill(outside, float("-inf")).softmax(dim=-1), ids
+
+
+def _best(scaled: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `width` best columns, best first, tied values in ascending id order: which
+    tied tokens are kept, and in which order the draw reads them, must not depend on `width`
+    (set by the other rows of the group) or on a sort's whim. bf16 logits tie often."""
+    vocab = scaled.shape[-1]
+    if width == vocab:
+        values, ids = scaled.sort(dim=-1, descending=True, stable=True)  # ties stay in id order
+        return values, ids
+    values, ids = scaled.topk(width, dim=-1)
+    # topk takes any of the tokens tied with its last value: where it left some out, keep the
+    # lowest ids among them instead (a row or two when it happens; none for distinct logits).
+    last = values[:, -1:]
+    for r in ((scaled >= last).sum(dim=-1) > width).nonzero().squeeze(1).tolist():
+        above = ids[r][values[r] > last[r]]
+        tied = (scaled[r] == last[r]).nonzero().squeeze(1)[: width - above.numel()]
+        ids[r] = torch.cat([above, tied])
+        values[r] = scaled[r, ids[r]]
+    # Best first, ties by ascending id: a stable sort by value of the candidates in id order.
+    ids, by_id = ids.sort(dim=-1)
+    values, order = values.gather(1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(1, order)
 
 
 def _mask_beyond_top_k(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -217,7 +244,7 @@ def _logprobs(raw: torch.Tensor | None, tokens: torch.Tensor, wanted: list[int |
     if raw is None:
         return {"logprobs": [None] * n, "top_logprobs": [None] * n}
     chosen = raw.gather(1, tokens[:, None]).squeeze(1).tolist()
-    most = max(k for k in wanted if k is not None)
+    most = min(max(k for k in wanted if k is not None), raw.shape[-1])  # a vocabulary smaller than 20
     top = raw.topk(most, dim=-1)
     top_vals, top_ids = top.values.tolist(), top.indices.tolist()
     logprobs: list[float | None] = []

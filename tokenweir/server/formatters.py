@@ -17,9 +17,24 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: kv[1], reverse=True)[:k]
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE (GPT-2's, SmolLM2's) spells each byte as one character: the printable
+    Latin-1 bytes as themselves, the other 68 as the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
 def usage(output: RequestOutput) -> dict[str, int]:
     prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _with(top: list[tuple[int, float]], token_id: int, logprob: float) -> list[tuple[int, float]]:
+    return top if any(t == token_id for t, _ in top) else [*top, (token_id, logprob)]
 
 
 class ResponseFormatter(ABC):
@@ -31,9 +46,22 @@ class ResponseFormatter(ABC):
     def __init__(self, tokenizer: Any, num_logprobs: Optional[int]) -> None:
         self.tokenizer = tokenizer
         self.num_logprobs = num_logprobs  # None: no logprobs asked for
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self.byte_level = type(decoder).__name__ == "ByteLevel"
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The token's own bytes: for byte-level BPE read from its piece, so that a character
+        split across tokens (a CJK character, an emoji) is rebuilt from the tokens' bytes, which
+        is what OpenAI's `bytes` is for (a lone token decodes to U+FFFD there). Other tokenizers:
+        the UTF-8 of its text."""
+        if self.byte_level:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            if isinstance(piece, str) and all(c in _BYTE_LEVEL for c in piece):
+                return [_BYTE_LEVEL[c] for c in piece]
+        return list(self.token_text(token_id).encode())
 
     def envelope(self, request_id: str, created: int, model: str, choices: list[dict[str, Any]],
                  chunk: bool) -> dict[str, Any]:
@@ -87,8 +115,10 @@ class CompletionFormatter(ResponseFormatter):
         for s in strings:
             offsets.append(self.text_offset)
             self.text_offset += len(s)
+        # As OpenAI's legacy `logprobs`: the sampled token's logprob is always among them (up
+        # to logprobs + 1 entries).
         return {"tokens": strings, "token_logprobs": [entry[t] for t, entry in zip(ids, entries)],
-                "top_logprobs": [self._by_text(_top(entry, k)) for entry in entries],
+                "top_logprobs": [self._by_text(_with(_top(entry, k), t, entry[t])) for t, entry in zip(ids, entries)],
                 "text_offset": offsets}
 
     def _by_text(self, top: list[tuple[int, float]]) -> dict[str, float]:
@@ -115,8 +145,7 @@ class ChatFormatter(ResponseFormatter):
 
     def format_logprobs(self, ids: list[int], entries: list[dict[int, float]], k: int) -> Any:
         def entry_of(token_id: int, lp: float) -> dict[str, Any]:
-            text = self.token_text(token_id)
-            return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+            return {"token": self.token_text(token_id), "logprob": lp, "bytes": self.token_bytes(token_id)}
 
         return {"content": [{**entry_of(t, entry[t]), "top_logprobs": [entry_of(i, lp) for i, lp in _top(entry, k)]}
                             for t, entry in zip(ids, entries)]}
