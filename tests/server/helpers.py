@@ -31,9 +31,11 @@ def post(url: str, path: str, body: Any, headers: Optional[dict[str, str]] = Non
                       headers={"Content-Type": "application/json", **(headers or {})})
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset], float]:
+def scrape(url: str, headers: Optional[dict[str, str]] = None) -> dict[tuple[str, frozenset], float]:
     """/metrics as {(sample name, labels): value}."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
+    response = httpx.get(f"{url}/metrics", timeout=10, headers=headers)
+    response.raise_for_status()
+    text = response.text
     return {(s.name, frozenset(s.labels.items())): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 

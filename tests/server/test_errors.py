@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 
 import httpx
@@ -231,6 +232,26 @@ def test_api_key(make_server):
     assert [m.id for m in client(url, api_key="sekret").models.list().data] == [MODEL]
 
 
+def test_an_empty_or_unsendable_api_key_is_refused_not_ignored(make_server, engine):
+    # `--api-key "$UNSET"` passed "" and turned authentication off without a word.
+    from tokenweir.server.app import build_app
+
+    for key in ("", " padded ", "a\nb", "clé"):
+        with pytest.raises(ValueError, match=r"^api_key \(--api-key\) must be a non-empty bearer token"):
+            build_app(engine, api_key=key)
+    from tokenweir.server.args import add_server_args
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--api-key", ""])
+    # The schema and its viewers are guarded like /v1/models (they show the model's limits).
+    url = make_server(api_key="sekret")
+    for path in ("/openapi.json", "/docs", "/redoc"):
+        assert httpx.get(f"{url}{path}").status_code == 401, path
+        assert httpx.get(f"{url}{path}", headers={"Authorization": "Bearer sekret"}).status_code == 200, path
+
+
 def test_metrics_can_be_left_open_for_scrapers(make_server):
     url = make_server(api_key="sekret", metrics_require_api_key=False)
     assert httpx.get(f"{url}/metrics").status_code == 200
@@ -254,3 +275,17 @@ def test_scheduling_hint_errors_name_the_body_field(engine, hint, value, param):
         asyncio.run(translator.completion(body))
     assert refused.value.status == 400 and refused.value.info.param == param
     assert param in str(refused.value)
+
+
+@pytest.mark.parametrize("path, body, message", [
+    # Ids then one string: pydantic's union made an error per element per list shape (a 4 MiB
+    # body held the event loop for a minute); checked in one pass, it is one error.
+    (COMPLETIONS, {"prompt": list(range(200_000)) + ["x"]}, "prompt[200000] must be a token id"),
+    (CHAT, {"messages": [{"role": "bad"}] * 100_000}, "invalid 'messages.0.role': Input should be"),
+    (CHAT, {"messages": [{"role": "user", "content": [{}] * 100_000}]},
+     "invalid 'messages.0.content': List should have at most 4096"),
+])
+def test_a_large_bad_body_is_one_error(server, path, body, message):
+    response = post(server, path, body)
+    assert response.status_code == 400 and message in response.json()["error"]["message"], response.text[:300]
+    assert_serves(server)

@@ -140,3 +140,31 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(smollm_tokenizer,
     with pytest.raises(APIError) as refused:
         asyncio.run(translator.completion(CompletionRequest(prompt="x" * (n * 511))))
     assert len(calls) == 1 and f"has {len(encode('x' * (n * 511)))} tokens" in str(refused.value)
+
+
+def _raw_request(url: str, head: str, body: bytes, wait_s: float) -> bytes:
+    """Send a request's head and part of its body on a raw socket; what came back within wait_s."""
+    import socket
+    from urllib.parse import urlparse
+
+    where = urlparse(url)
+    with socket.create_connection((where.hostname, where.port), timeout=wait_s) as sock:
+        sock.sendall(head.encode() + body)
+        try:
+            return sock.recv(65536)
+        except TimeoutError:
+            return b""
+
+
+def test_a_body_that_stops_arriving_is_answered_408_and_other_paths_buffer_none(make_server, monkeypatch):
+    from tokenweir.server import body_limit
+
+    monkeypatch.setattr(body_limit, "BODY_TIMEOUT_S", 1.0)
+    url = make_server(max_request_body_bytes=LIMIT)
+    partial = "Content-Type: application/json\r\nContent-Length: {}\r\n\r\n".format(LIMIT)
+    answer = _raw_request(url, f"POST /v1/completions HTTP/1.1\r\nHost: x\r\n{partial}", b'{"prompt": "', 10)
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer[:200]
+    # A path no route reads a body for answers at once: nothing is read ahead and held for it.
+    answer = _raw_request(url, f"POST /health HTTP/1.1\r\nHost: x\r\n{partial}", b"x" * 100, 0.5)
+    assert answer.startswith(b"HTTP/1.1 405"), answer[:200]
+    assert client(url).completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1

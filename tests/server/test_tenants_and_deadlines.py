@@ -49,6 +49,28 @@ def test_the_keys_tenant_wins_over_the_body_and_other_keys_are_refused(make_serv
     assert post(url, "/v1/completions", BODY).status_code == 401
 
 
+def test_with_a_keys_file_each_tenant_has_its_own_prefix_cache(make_server, tmp_path):
+    # Every key reads /metrics: had beta's request hit alpha's cached blocks, the hit counter
+    # would tell beta what alpha asked, and naming alpha's salt would share its cache.
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"key-a": "alpha", "key-b": "beta"}))
+    url = make_server(api_keys=load_api_keys(path))
+    prompt = {**BODY, "prompt": " ".join(["water than call first who may down side been now find"] * 4)}
+
+    def hits_of(key: str, body: dict) -> float:
+        headers = {"Authorization": f"Bearer {key}"}
+        before = value(scrape(url, headers), "tokenweir:prefix_cache_hits_total")
+        assert post(url, "/v1/completions", body, headers=headers).status_code == 200
+        return value(scrape(url, headers), "tokenweir:prefix_cache_hits_total") - before
+
+    assert hits_of("key-a", prompt) == 0
+    assert hits_of("key-a", prompt) > 0  # alpha's own cache
+    assert hits_of("key-b", prompt) == 0  # not beta's
+    salted = {**prompt, "cache_salt": "alpha-salt"}
+    assert hits_of("key-a", salted) == 0 and hits_of("key-a", salted) > 0
+    assert hits_of("key-b", salted) == 0
+
+
 def test_a_keys_priority_bounds_its_requests_priority(make_server, tmp_path):
     # Under sla the priority class ranks before the tenant: a key free to name class 0 would
     # outrank the other tenants' shares. A key with a priority gets none more important.
@@ -122,7 +144,12 @@ def test_tenant_labels_reserved_ones_then_the_first_come_up_to_the_bound():
     ("[]", "must hold a non-empty JSON object"),
     ('{"k": ""}', "every key needs a non-empty tenant name, got '' for key #1"),
     ("{", "cannot be read as JSON"),
-    ('{"": "alpha"}', "key #1 is empty"),
+    ('{"": "alpha"}', "key #1 must be a non-empty bearer token"),
+    # Never sendable as they are (a header's value is stripped): refused rather than never matching.
+    ('{" padded-key ": "alpha"}', "key #1 must be a non-empty bearer token"),
+    ('{"k": "alpha", "nl-key\\n": "beta"}', "key #2 must be a non-empty bearer token"),
+    # Valid JSON, but no UTF-8: the first /metrics after its request was a 500, for everyone.
+    ('{"k": "\\ud800"}', "the tenant of key #1 is not valid Unicode text"),
     # Accepted once, then every request with the key got a 400 about a `tenant` it never sent.
     (json.dumps({"k": "alpha", "k2": "t" * 257}), "the tenant of key #2 has 257 characters, more than 256"),
     ('{"k": "other"}', "the tenant of key #1 is 'other', the tenant metric label of the tenants past the label"),

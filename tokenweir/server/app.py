@@ -27,6 +27,11 @@ from tokenweir.server.protocol import (ChatCompletionRequest, CompletionRequest,
                                        VersionResponse)
 from tokenweir.server.serving import OpenAIServing
 
+# The routes that read a body: the only ones the body limit reads ahead for.
+COMPLETIONS_PATH, CHAT_PATH = "/v1/completions", "/v1/chat/completions"
+BODY_PATHS = (COMPLETIONS_PATH, CHAT_PATH)
+
+
 def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waiting_requests: Optional[int] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
               metrics_require_api_key: bool = True, api_keys: Optional[dict[str, KeyGrant]] = None) -> FastAPI:
@@ -48,11 +53,11 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
 
     v1 = APIRouter(prefix="/v1")
 
-    @v1.post("/completions", response_model=None, responses=COMPLETION_RESPONSES)
+    @v1.post(COMPLETIONS_PATH.removeprefix("/v1"), response_model=None, responses=COMPLETION_RESPONSES)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.completions(body, raw)
 
-    @v1.post("/chat/completions", response_model=None, responses=CHAT_RESPONSES)
+    @v1.post(CHAT_PATH.removeprefix("/v1"), response_model=None, responses=CHAT_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.chat_completions(body, raw)
 
@@ -81,9 +86,9 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
         return Response(generate_latest(client.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     # The last added runs first: the key is checked before a byte of the body is read.
-    app.add_middleware(BodySizeLimitMiddleware, limit=max_request_body_bytes)
+    app.add_middleware(BodySizeLimitMiddleware, limit=max_request_body_bytes, paths=BODY_PATHS)
     keys: dict[str, Optional[KeyGrant]] = dict(api_keys or {})
-    if api_key:
+    if api_key is not None:  # checked above: never empty
         keys[api_key] = None
     if api_keys:
         client.reserve_tenant_labels([grant.tenant for grant in api_keys.values()])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tokenweir.server.auth import check_api_key
 from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
 
@@ -15,13 +16,21 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _api_key(text: str) -> str:
+    try:
+        check_api_key(text, "the key")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     # Exclusive: a plain key beside a keys file would name no tenant, and its holders could
     # claim any tenant's share by the body's `tenant`.
     keys = parser.add_mutually_exclusive_group()
-    keys.add_argument("--api-key", default=None,
+    keys.add_argument("--api-key", default=None, type=_api_key,
                       help="require 'Authorization: Bearer KEY' on /v1/* (and /metrics, see below); the "
                            "body's `tenant` names the request's tenant (not with --api-keys-file)")
     keys.add_argument("--api-keys-file", type=Path, default=None,

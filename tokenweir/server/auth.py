@@ -11,6 +11,7 @@ tenant of its own)."""
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,12 +54,30 @@ class KeyGrant:
         return requested if self.priority is None else max(requested, self.priority)
 
 
+# FastAPI's schema and its two viewers describe the model's limits: guarded like /v1/models.
+DOCS_PATHS = ("/openapi.json", "/docs", "/redoc")
+
+# RFC 6750's bearer token: what an Authorization header can carry unchanged. A key with a space,
+# a line break or a non-ASCII character could never be sent as it is, so never match.
+_BEARER_TOKEN = re.compile(r"[A-Za-z0-9\-._~+/]+=*")
+
+
 def guarded_paths(metrics_require_api_key: bool) -> tuple[str, ...]:
-    return (API_PREFIX, METRICS_PATH) if metrics_require_api_key else (API_PREFIX,)
+    return (API_PREFIX, *DOCS_PATHS, *((METRICS_PATH,) if metrics_require_api_key else ()))
+
+
+def check_api_key(key: Any, what: str) -> None:
+    """A key a client can send: refused at startup rather than never matching (or, empty,
+    turning authentication off: `--api-key "$UNSET"`)."""
+    if not isinstance(key, str) or not _BEARER_TOKEN.fullmatch(key):
+        raise ValueError(f"{what} must be a non-empty bearer token (letters, digits and -._~+/, "
+                         "optionally ending in '='), as an Authorization header carries it")
 
 
 def check_api_key_options(api_key: Optional[str], api_keys: Optional[dict[str, KeyGrant]]) -> None:
     """build_app's side of the exclusion (`serve`'s argparse group refuses the two flags)."""
+    if api_key is not None:
+        check_api_key(api_key, "api_key (--api-key)")
     if api_keys and not all(isinstance(grant, KeyGrant) for grant in api_keys.values()):
         raise ValueError("api_keys maps each key to a KeyGrant (load_api_keys reads them from a keys file)")
     if api_key and api_keys:
@@ -99,8 +118,7 @@ def load_api_keys(path: Path) -> dict[str, KeyGrant]:
         raise ValueError(f"{where} must hold a non-empty JSON object {{key: tenant}}")
     grants = {}
     for position, (key, value) in enumerate(data.items(), 1):
-        if not key:
-            raise ValueError(f"{where}: key #{position} is empty")
+        check_api_key(key, f"{where}: key #{position}")
         priority = None
         if isinstance(value, dict):
             unknown = set(value) - {"tenant", "priority"}
@@ -116,6 +134,11 @@ def load_api_keys(path: Path) -> dict[str, KeyGrant]:
         if not isinstance(tenant, str) or not tenant:
             raise ValueError(f"{where}: every key needs a non-empty tenant name, got {tenant!r:.80} "
                              f"for key #{position}")
+        try:  # a lone surrogate (valid JSON) would make every later /metrics answer a 500
+            tenant.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where}: the tenant of key #{position} is not valid Unicode text "
+                             f"(a lone surrogate): {tenant!r:.40}") from None
         if len(tenant) > MAX_KEY_CHARS:
             raise ValueError(f"{where}: the tenant of key #{position} has {len(tenant)} characters, "
                              f"more than {MAX_KEY_CHARS}: {tenant!r:.40}")

@@ -4,11 +4,17 @@ before any of it is parsed, so a client cannot make the server hold or parse meg
 
 from __future__ import annotations
 
+import asyncio
+from typing import Optional
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenweir.server.errors import APIError
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024  # a prompt of ~1M tokens' worth of text
+# A body not complete by then is answered 408: a client sending one byte now and then would
+# hold its buffer (up to the limit) for as long as it liked.
+BODY_TIMEOUT_S = 60.0
 
 
 def _too_large(limit: int) -> APIError:
@@ -17,19 +23,23 @@ def _too_large(limit: int) -> APIError:
 
 
 class BodySizeLimitMiddleware:
-    """Reads the whole body (at most `limit` bytes) before the app runs, then replays it.
+    """Reads the whole body of a request to one of `paths` (at most `limit` bytes, within
+    `timeout_s`) before the app runs, then replays it. Other requests pass unread: no other
+    route reads a body, so none is buffered for them (uvicorn stops reading a body nobody reads).
 
     A declared Content-Length above the limit is refused before reading anything; a chunked body
     as soon as it passes the limit. After the body, `receive` is the server's own again, so the
     app still sees the client's disconnect.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, paths: tuple[str, ...], timeout_s: Optional[float] = None) -> None:
         self.app = app
         self.limit = limit
+        self.paths = frozenset(paths)
+        self.timeout_s = BODY_TIMEOUT_S if timeout_s is None else timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
         declared = dict(scope["headers"]).get(b"content-length")
@@ -37,16 +47,23 @@ class BodySizeLimitMiddleware:
             await _too_large(self.limit).response()(scope, receive, send)
             return
         body = bytearray()
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return  # the client left before its body was complete: nothing to answer
-            body += message.get("body", b"")
-            if len(body) > self.limit:
-                await _too_large(self.limit).response()(scope, receive, send)
-                return
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return  # the client left before its body was complete: nothing to answer
+                    body += message.get("body", b"")
+                    if len(body) > self.limit:
+                        await _too_large(self.limit).response()(scope, receive, send)
+                        return
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            error = APIError(408, f"The request body did not arrive within {self.timeout_s:g} s.",
+                             code="request_timeout")
+            await error.response()(scope, receive, send)
+            return
         replayed = False
 
         async def replay() -> Message:

@@ -78,6 +78,7 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return bad_request(f"the request body is not valid JSON: {detail}{where}", None)
     fields = loc[1:] if loc[:1] == ["body"] else loc
     path = ".".join(f for f in fields if f.isdigit() or f.isidentifier() and f not in _TYPE_TAGS)
+    path = (err.get("ctx") or {}).get("param", path)  # a validator that names a deeper field
     if not path:
         return bad_request("the request body must be a JSON object (Content-Type: application/json): "
                            f"{err.get('msg')}", None)

@@ -16,8 +16,10 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt,
-                      StrictStr, ValidationInfo, field_validator)
+from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, PlainValidator, StrictBool,
+                      StrictFloat, StrictInt, StrictStr, ValidationError, ValidationInfo, field_validator)
+
+from pydantic_core import PydanticCustomError
 
 from tokenweir.request import (MAX_KEY_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
                                PRIORITY_MAX, PRIORITY_MIN)
@@ -25,6 +27,7 @@ from tokenweir.request import (MAX_KEY_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_ST
 # JSON has no infinity, but Python's parser reads `Infinity` and `NaN`: refuse them here.
 Number = Union[StrictInt, Annotated[StrictFloat, AllowInfNan(False)]]
 MAX_LOGPROBS = 20  # as SamplingParams and OpenAI
+MAX_CONTENT_PARTS = 4096  # text parts in one chat message
 Key = Annotated[StrictStr, Field(min_length=1, max_length=MAX_KEY_CHARS)]
 StopString = Annotated[StrictStr, Field(min_length=1, max_length=MAX_STOP_STRING_CHARS)]
 TokenId = Annotated[StrictInt, Field(ge=0)]
@@ -134,9 +137,44 @@ class GenerationRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-Prompt = Union[NonEmptyText, TokenIds,
-               Annotated[list[NonEmptyText], Field(min_length=1)],
-               Annotated[list[TokenIds], Field(min_length=1)]]
+_PromptShapes = Union[NonEmptyText, TokenIds,
+                     Annotated[list[NonEmptyText], Field(min_length=1)],
+                     Annotated[list[TokenIds], Field(min_length=1)]]
+
+
+def _is_token_id(value: Any) -> bool:
+    return type(value) is int and value >= 0  # not a bool, as StrictInt
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(map(_is_token_id, value))
+
+
+def _check_prompt(value: Any) -> Union[str, list]:
+    """One of the four prompt shapes, checked in one pass with one error. pydantic's union
+    reports an error per element for every list shape an input fails, on the event loop: a
+    4 MiB list of ids ending in a string took a minute, the whole server waiting."""
+    if isinstance(value, str):
+        if not value:
+            raise ValueError("the prompt must not be empty")
+        return value
+    if not isinstance(value, list) or not value:
+        raise ValueError("the prompt must be a non-empty string, a non-empty list of token ids, or a list of either")
+    first = value[0]
+    if isinstance(first, str):
+        fits, shape = (lambda x: isinstance(x, str) and bool(x)), "a non-empty string"
+    elif isinstance(first, list):
+        fits, shape = _is_token_ids, "a non-empty list of token ids"
+    else:
+        fits, shape = _is_token_id, "a token id (an integer >= 0)"
+    bad = next((i for i, item in enumerate(value) if not fits(item)), None)
+    if bad is not None:
+        like = " like prompt[0]" if bad else ""
+        raise ValueError(f"prompt[{bad}] must be {shape}{like}, got {value[bad]!r:.80}")
+    return value
+
+
+Prompt = Annotated[Union[str, list], PlainValidator(_check_prompt, json_schema_input_type=_PromptShapes)]
 
 
 class CompletionRequest(GenerationRequest):
@@ -163,7 +201,8 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template
 
     role: Role
-    content: Union[None, StrictStr, list[TextPart]] = None
+    # Bounded so that a list of bad parts is one error (checked before its items), not one per part.
+    content: Union[None, StrictStr, Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]] = None
 
     def for_template(self) -> dict[str, Any]:
         message = self.model_dump(exclude_none=True)
@@ -182,10 +221,35 @@ _TOP_LOGPROBS_NEED_LOGPROBS = {"anyOf": [
 ]}
 
 
+def _check_messages(value: Any) -> list[ChatMessage]:
+    """Message by message, stopping at the first bad one with its first error: pydantic would
+    report every error of every message (a 1 MiB list of bad messages was 800,000 errors and
+    4 s of the event loop)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError("messages must be a non-empty list of messages")
+    messages = []
+    for i, item in enumerate(value):
+        try:
+            messages.append(ChatMessage.model_validate(item))
+        except ValidationError as e:
+            # The most specific error: a bad content part rather than "content is not a string".
+            error = sorted(e.errors(include_url=False), key=lambda err: len(err["loc"]))[-1]
+            where = "".join(f".{part}" for part in error["loc"]
+                            if not (isinstance(part, str) and (part == "str" or "[" in part)))  # union tags
+            # The error's `param` is this path (errors.validation_error reads it from ctx).
+            raise PydanticCustomError("invalid_message", "{detail}",
+                                      {"param": f"messages.{i}{where}", "detail": error["msg"]}) from None
+    return messages
+
+
+Messages = Annotated[list[ChatMessage], PlainValidator(
+    _check_messages, json_schema_input_type=Annotated[list[ChatMessage], Field(min_length=1)])]
+
+
 class ChatCompletionRequest(GenerationRequest):
     model_config = ConfigDict(extra="ignore", json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Messages
     max_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     max_completion_tokens: Optional[Annotated[StrictInt, Field(ge=1)]] = None
     logprobs: Annotated[Optional[StrictBool], _null_is(False)] = False

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -105,7 +107,8 @@ class RequestTranslator:
                 priority=body.priority if grant is None else grant.priority_of(body.priority),
                 tenant=body.tenant if grant is None else grant.tenant, arrival_time=arrival,
                 deadline=_seconds(body.deadline_ms), ttft_slo=_seconds(body.ttft_slo_ms),
-                tpot_slo=_seconds(body.tpot_slo_ms), cache_salt=body.cache_salt)
+                tpot_slo=_seconds(body.tpot_slo_ms),
+                cache_salt=body.cache_salt if grant is None else _tenant_salt(grant.tenant, body.cache_salt))
         except ParameterError as e:
             raise _parameter_error(e) from e
         return EngineRequest(text, ids, params, hints, prompt_param)
@@ -158,3 +161,12 @@ class RequestTranslator:
                               "messages") from e
         # The template already carries BOS where the model wants one (as LLM.chat does).
         return text, self.encode(text, "messages", add_special_tokens=False)
+
+
+def _tenant_salt(tenant: str, salt: Optional[str]) -> str:
+    """With a keys file the prefix cache is each tenant's own: the salt a request sends is
+    joined to its key's tenant, so no tenant reuses another's cached blocks by naming its salt,
+    or learns from the prefix-cache hit counters (which every key reads) whether another's
+    prompt is cached. A hash keeps the salt within its length bound; the JSON pair keeps
+    (tenant, salt) pairs apart."""
+    return "tenant:" + hashlib.sha256(json.dumps([tenant, salt]).encode()).hexdigest()
