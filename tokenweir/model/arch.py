@@ -17,8 +17,9 @@ _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # config.json keys with no sensible default: without one the config describes no model.
 _REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 # Sizes config.json may leave out (defaults apply), but which must be positive integers if given.
-_FLAG_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 _OPTIONAL_SIZE_KEYS = ("num_key_value_heads", "head_dim", "max_position_embeddings", "sliding_window")
+# Flags config.json may leave out, but which must be JSON booleans if given.
+_FLAG_KEYS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
 # The decoder's MLP is SwiGLU: SiLU is the only activation it computes.
 _SUPPORTED_ACTIVATIONS = ("silu", "swish")
 # Per rotary pair, the divisor of its RoPE frequency, as a GGUF stores Llama 3 scaling (its
@@ -173,10 +174,6 @@ def _check_config_values(cfg: dict[str, Any], source: str) -> None:
     if heads % kv_heads:
         raise ValueError(f"{source}: num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
                          f"({kv_heads}): each KV head serves a whole group of query heads")
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    if head_dim % 2:
-        raise ValueError(f"{source}: head_dim must be even (rotary embeddings turn pairs of components), "
-                         f"got {head_dim}")
 
 
 def _rope_freq_factors(cfg: dict[str, Any], head_dim: int, source: str) -> tuple[float, ...] | None:
@@ -219,6 +216,9 @@ def arch_from_hf_config(
     heads = cfg["num_attention_heads"]
     hidden = cfg["hidden_size"]
     head_dim = cfg.get("head_dim") or hidden // heads
+    if head_dim % 2:
+        raise ValueError(f"{source}: head_dim must be even (rotary embeddings turn pairs of components), "
+                         f"got {head_dim}")
     if cfg.get("mlp_bias"):
         raise ValueError(f"{source}: mlp_bias=true is not supported")
     is_qwen2 = architecture == "Qwen2ForCausalLM"

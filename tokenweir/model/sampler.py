@@ -197,8 +197,7 @@ def _best(scaled: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]
     (set by the other rows of the group) or on a sort's whim. bf16 logits tie often."""
     vocab = scaled.shape[-1]
     if width == vocab:
-        values, ids = scaled.sort(dim=-1, descending=True, stable=True)  # ties stay in id order
-        return values, ids
+        return tuple(scaled.sort(dim=-1, descending=True, stable=True))  # ties stay in id order
     values, ids = scaled.topk(width, dim=-1)
     # topk takes any of the tokens tied with its last value: where it left some out, keep the
     # lowest ids among them instead (a row or two when it happens; none for distinct logits).

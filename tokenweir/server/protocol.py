@@ -18,7 +18,6 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, PlainValidator, StrictBool,
                       StrictFloat, StrictInt, StrictStr, ValidationError, ValidationInfo, field_validator)
-
 from pydantic_core import PydanticCustomError
 
 from tokenweir.request import (MAX_KEY_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,

@@ -14,9 +14,9 @@ encode only reads it, as long as every call passes the same truncation and paddi
 from __future__ import annotations
 
 import asyncio
-import time
 import hashlib
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
