@@ -59,6 +59,17 @@ def iteration_token_buckets(max_num_batched_tokens: int) -> tuple[int, ...]:
     return tuple(b for b in _ITERATION_TOKEN_BUCKETS if b <= max_num_batched_tokens) or (1,)
 
 
+def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `max_value` (vLLM's edges for request lengths)."""
+    edges, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(edges)
+            edges.append(mantissa * scale)
+        scale *= 10
+
+
 class TenantLabels:
     """A bounded set of tenant label values: the reserved tenants, then up to `limit` others."""
 
@@ -136,7 +147,7 @@ class ClassMetrics:
 class EngineMetrics:
     """The engine's Prometheus metrics, all labelled with `model_name`."""
 
-    def __init__(self, model_name: str, max_num_batched_tokens: int,
+    def __init__(self, model_name: str, max_num_batched_tokens: int, max_model_len: int,
                  registry: Optional[CollectorRegistry] = None, num_priority_classes: int = 4) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
@@ -180,9 +191,15 @@ class EngineMetrics:
         self.inter_token_latency = histogram(
             "inter_token_latency_seconds", "Time between consecutive outputs of a request.",
             TOKEN_LATENCY_BUCKETS)
+        # vLLM's deprecated name for the inter-token latency (the same gaps), kept for the
+        # dashboards that still read it; the per-request mean has a name of its own.
         self.time_per_output_token = histogram(
-            "time_per_output_token_seconds", "Decode time per output token after the first, per request.",
+            "time_per_output_token_seconds",
+            "Time between consecutive outputs of a request (the same as inter_token_latency_seconds).",
             TOKEN_LATENCY_BUCKETS)
+        self.request_time_per_output_token = histogram(
+            "request_time_per_output_token_seconds",
+            "Decode time per output token after the first, per finished request.", TOKEN_LATENCY_BUCKETS)
         self.e2e_request_latency = histogram(
             "e2e_request_latency_seconds", "Time from arrival to finish.", REQUEST_LATENCY_BUCKETS)
         self.request_queue_time = histogram(
@@ -192,6 +209,13 @@ class EngineMetrics:
             REQUEST_LATENCY_BUCKETS)
         self.request_decode_time = histogram(
             "request_decode_time_seconds", "Time from first token to finish.", REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = histogram(
+            "request_inference_time_seconds", "Time from first scheduled to finish.", REQUEST_LATENCY_BUCKETS)
+        length_buckets = one_two_five_buckets(max_model_len)
+        self.request_prompt_tokens = histogram(
+            "request_prompt_tokens", "Prompt tokens per finished request.", length_buckets)
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request.", length_buckets)
         self.iteration_tokens = histogram(
             "iteration_tokens_total", "Tokens computed per engine step.",
             iteration_token_buckets(max_num_batched_tokens))
@@ -235,18 +259,22 @@ class EngineMetrics:
         self.classes.record_new_tokens(num_tokens, hints)
         if inter_token_latency is not None:
             self.inter_token_latency.observe(inter_token_latency)
+            self.time_per_output_token.observe(inter_token_latency)
 
     def record_finished(self, output: RequestOutput, hints: SchedulingHints = SchedulingHints()) -> None:
         m = output.metrics
         completion = output.outputs[0]
         self.request_success[completion.finish_reason or "abort"].inc()
         self.classes.record_finished(output, hints)
+        self.request_prompt_tokens.observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.observe(len(completion.token_ids))
         if m.finished_time is None:
             return
         self.e2e_request_latency.observe(m.finished_time - m.arrival_time)
         if m.first_scheduled_time is None:
             return  # aborted while waiting: it never reached the model
         self.request_queue_time.observe(m.first_scheduled_time - m.arrival_time)
+        self.request_inference_time.observe(m.finished_time - m.first_scheduled_time)
         if m.first_token_time is None:
             return
         self.request_prefill_time.observe(m.first_token_time - m.first_scheduled_time)
@@ -254,7 +282,7 @@ class EngineMetrics:
         self.request_decode_time.observe(decode_time)
         num_tokens = len(completion.token_ids)
         if num_tokens > 1:
-            self.time_per_output_token.observe(decode_time / (num_tokens - 1))
+            self.request_time_per_output_token.observe(decode_time / (num_tokens - 1))
 
 
 @dataclass

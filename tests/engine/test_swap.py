@@ -45,7 +45,7 @@ def finished_tokens(results) -> dict[str, list[int]]:
 
 
 def test_metrics_and_log_line_count_what_swapping_did(engine, oracle, caplog):
-    metrics = EngineMetrics("tiny", engine.scheduler_config.max_num_batched_tokens)
+    metrics = EngineMetrics("tiny", engine.scheduler_config.max_num_batched_tokens, engine.max_model_len)
     log = StatsLogger(interval_s=0.0, now=0.0)
     add_all(engine)
     results, swapped_seen = [], 0

@@ -20,7 +20,7 @@ def _stats(controller: str, batch_control: dict | None = None) -> SchedulerStats
 
 
 def test_gauges_show_the_latest_step_limits():
-    metrics = EngineMetrics("m", 2048)
+    metrics = EngineMetrics("m", 2048, 4096)
     metrics.record_scheduler_stats(_stats("slo"))
     text = generate_latest(metrics.registry).decode()
     assert 'tokenweir:batch_max_num_batched_tokens{model_name="m"} 384.0' in text

@@ -19,8 +19,13 @@ from tokenweir.engine.core import EngineCore
 from tokenweir.metrics import StatsLogger
 from tokenweir.request import SamplingParams
 
+# One observation per finished request.
 HISTOGRAMS = ["time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-              "request_prefill_time_seconds", "request_decode_time_seconds", "time_per_output_token_seconds"]
+              "request_prefill_time_seconds", "request_decode_time_seconds", "request_inference_time_seconds",
+              "request_time_per_output_token_seconds", "request_prompt_tokens", "request_generation_tokens"]
+# One observation per gap between a request's outputs (vLLM keeps the second as a deprecated
+# name of the first).
+GAP_HISTOGRAMS = ["inter_token_latency_seconds", "time_per_output_token_seconds"]
 
 
 # vLLM v0.11's bucket edges (vllm/v1/metrics/loggers.py, PrometheusStatLogger), written out
@@ -33,6 +38,9 @@ VLLM_BUCKETS = {
     "e2e_request_latency_seconds": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                                     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0],
     "iteration_tokens_total": [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384],
+    # build_1_2_5_buckets(max_model_len)
+    "request_prompt_tokens": [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000,
+                              100000, 200000, 500000, 1000000],
 }
 
 
@@ -61,7 +69,16 @@ def test_counters_and_histograms_after_a_known_workload(server, engine):
         assert delta(before, after, f"tokenweir:{name}_count") == 3, name
     # One inter-token gap per token after the first; each step computes a whole prompt or the
     # previous token (the last sampled token is never fed back).
-    assert delta(before, after, "tokenweir:inter_token_latency_seconds_count") == sum(n - 1 for n in max_tokens)
+    for name in GAP_HISTOGRAMS:
+        assert delta(before, after, f"tokenweir:{name}_count") == sum(n - 1 for n in max_tokens), name
+    assert delta(before, after, "tokenweir:inter_token_latency_seconds_sum") == pytest.approx(
+        delta(before, after, "tokenweir:time_per_output_token_seconds_sum"))
+    assert delta(before, after, "tokenweir:request_prompt_tokens_sum") == sum(prompt_lens)
+    assert delta(before, after, "tokenweir:request_generation_tokens_sum") == sum(max_tokens)
+    # Each request's mean gap: its decode time over its gaps, so the per-request histogram's
+    # sum is the sum of those means, no more than the decode times' sum.
+    assert 0 < delta(before, after, "tokenweir:request_time_per_output_token_seconds_sum") <= delta(
+        before, after, "tokenweir:request_decode_time_seconds_sum")
     assert delta(before, after, "tokenweir:iteration_tokens_total_sum") == sum(prompt_lens) + sum(
         n - 1 for n in max_tokens)
     assert delta(before, after, "tokenweir:prefix_cache_queries_total") == sum(prompt_lens)
@@ -94,7 +111,7 @@ def test_every_metric_is_exported_with_the_model_name(server):
     for counter in ["prefix_cache_queries", "prefix_cache_hits", "num_preemptions", "prompt_tokens",
                     "generation_tokens", "request_success", "num_blocks_swapped_out", "num_blocks_swapped_in"]:
         assert f"tokenweir:{counter}_total" in names
-    for histogram in HISTOGRAMS + ["inter_token_latency_seconds", "iteration_tokens_total"]:
+    for histogram in HISTOGRAMS + GAP_HISTOGRAMS + ["iteration_tokens_total"]:
         assert f"tokenweir:{histogram}_bucket" in names
     assert not any(name.endswith("_created") for name in names)
 
@@ -113,6 +130,8 @@ def test_bucket_edges_are_vllms(server, engine, histogram):
         # all of them.
         budget = engine.core.scheduler_config.max_num_batched_tokens
         expected = [e for e in expected if e <= budget]
+    if histogram == "request_prompt_tokens":  # vLLM's edges stop at max_model_len
+        expected = [e for e in expected if e <= engine.model_info.max_model_len]
     assert bucket_edges(scrape(server), histogram) == expected
 
 

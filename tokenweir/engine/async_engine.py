@@ -203,7 +203,7 @@ class AsyncLLMEngine:
         self.model_info = model_info
         self.tokenizer = tokenizer
         self._clock = clock  # the engine's: one clock for the scheduler's times and the token metrics
-        self.metrics = EngineMetrics(model_info.name, max_num_batched_tokens,
+        self.metrics = EngineMetrics(model_info.name, max_num_batched_tokens, model_info.max_model_len,
                                      num_priority_classes=args.num_priority_classes)
         log_stats = not args.disable_log_stats if log_stats is None else log_stats
         self._stats_logger = StatsLogger(stats_interval_s, self._clock()) if log_stats else None
