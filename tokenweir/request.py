@@ -97,6 +97,11 @@ _INT64_LIMIT = 2**63
 MAX_STOP_STRINGS = 256
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# logit_bias is applied every step: bounded as the stop ids are (OpenAI allows 300 entries).
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# A logit is divided by the penalty (or multiplied): a float32 logit divided by one much
+# nearer 0 overflows to inf, and the probabilities become NaN. vLLM asks only > 0.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 # Priorities are bounded so that scores built from them (the SLA policy) stay finite and exact.
 PRIORITY_MIN, PRIORITY_MAX = -(2**31), 2**31 - 1
@@ -162,6 +167,11 @@ class SamplingParams:
 
     `top_k` 0 or -1 and `top_p` 1.0 and `min_p` 0.0 mean "off"; `temperature` below 1e-5 (0 included) means greedy.
     `max_tokens=None` lets the request run until EOS or `max_model_len`.
+    Penalties as in vLLM (and greedy rows too): `presence_penalty` and `frequency_penalty`
+    (OpenAI's, over the output so far) subtract from a token's logit once if it occurred, and
+    per occurrence; `repetition_penalty` (transformers' and vLLM's, over prompt and output)
+    divides a positive logit of a token that occurred by it and multiplies a negative one.
+    `logit_bias` adds {token id: bias} to the logits. 0, 0, 1 and None mean "off".
     """
 
     max_tokens: Optional[int] = 16
@@ -170,6 +180,10 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Optional[dict[int, float]] = None
     stop: Union[None, str, list[str]] = None
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
@@ -192,6 +206,8 @@ class SamplingParams:
             self.stop_token_ids = list(self.stop_token_ids)
         elif self.stop_token_ids is None:
             self.stop_token_ids = []
+        if isinstance(self.logit_bias, dict):  # the engine's copy: later edits of the caller's do not reach it
+            self.logit_bias = dict(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -234,6 +250,28 @@ class SamplingParams:
             raise ParameterError("seed", f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise ParameterError("logprobs", f"logprobs must be an integer in [0, 20] or None, got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not is_num(value) or not -2.0 <= value <= 2.0:
+                raise ParameterError(name, f"{name} must be a number in [-2, 2], got {value!r}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not is_num(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
+            raise ParameterError("repetition_penalty", f"repetition_penalty must be in [{low:g}, {high:g}], "
+                                 f"got {self.repetition_penalty!r}")
+        if self.logit_bias is not None:
+            bias = self.logit_bias
+            if not isinstance(bias, dict) or len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+                raise ParameterError("logit_bias", f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS_ENTRIES} "
+                                     f"{{token id: bias}} entries, got {bias!r:.200}")
+            if not all(is_int(t) and 0 <= t < _INT64_LIMIT and is_num(b) and -100 <= b <= 100 for t, b in bias.items()):
+                raise ParameterError("logit_bias", "logit_bias must map non-negative integer token ids to numbers in "
+                                     f"[-100, 100], got {bias!r:.200}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or logit bias changes this request's logits."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def greedy(self) -> bool:

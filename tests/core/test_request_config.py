@@ -189,3 +189,32 @@ def test_parse_size():
     assert parse_size("1.5G") == 1_500_000_000 and parse_size(4096) == 4096
     with pytest.raises(ValueError, match="cannot parse memory size"):
         parse_size("lots")
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(presence_penalty=2.5), "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty"),
+    (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(presence_penalty=True), "presence_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(repetition_penalty=1e-30), "repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
+    (dict(logit_bias={1: 101.0}), "logit_bias"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias"),
+    (dict(logit_bias={"7": 1.0}), "logit_bias"),
+    (dict(logit_bias={1: float("nan")}), "logit_bias"),
+    (dict(logit_bias=[(1, 1.0)]), "logit_bias"),
+    (dict(logit_bias={i: 1.0 for i in range(1025)}), "logit_bias"),
+])
+def test_bad_penalties_and_logit_bias_are_refused(kwargs, param):
+    with pytest.raises(ParameterError) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+
+
+def test_penalties_default_to_off_and_logit_bias_is_copied():
+    assert not SamplingParams().penalized
+    bias = {3: 1.0}
+    params = SamplingParams(logit_bias=bias)
+    bias[4] = 2.0
+    assert params.penalized and params.logit_bias == {3: 1.0}

@@ -173,10 +173,11 @@ def test_request_fields_reach_the_engine(server, engine, monkeypatch):
 
     monkeypatch.setattr(engine.core, "add_request", spy)
     client(server).completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=3, top_p=0.9, seed=5,
+        model=MODEL, prompt=PROMPT, max_tokens=3, top_p=0.9, seed=5, presence_penalty=0.5, frequency_penalty=-1,
+        logit_bias={"9": -100, "12": 3.5},
         extra_body={"priority": 3, "tenant": "acme", "deadline_ms": 5000, "ttft_slo_ms": 200,
                     "tpot_slo_ms": 50, "top_k": 5, "min_p": 0.05, "min_tokens": 2, "stop_token_ids": [7],
-                    "ignore_eos": True})
+                    "ignore_eos": True, "repetition_penalty": 1.25})
     (request,) = seen
     assert (request.priority, request.tenant) == (3, "acme")
     assert request.deadline - request.arrival_time == pytest.approx(5.0)
@@ -184,6 +185,22 @@ def test_request_fields_reach_the_engine(server, engine, monkeypatch):
     p = request.sampling_params
     assert (p.max_tokens, p.top_p, p.top_k, p.min_p, p.min_tokens, p.seed, p.stop_token_ids, p.ignore_eos) == (
         3, 0.9, 5, 0.05, 2, 5, [7], True)
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.logit_bias) == (
+        0.5, -1, 1.25, {9: -100, 12: 3.5})
+
+
+def test_logit_bias_steers_a_greedy_chat(server, engine):
+    """A +100 bias on one token makes greedy produce only it; the others' answers are untouched."""
+    c = client(server)
+    messages = [{"role": "user", "content": "hi"}]
+    plain = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    token = 42
+    biased = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                       logit_bias={str(token): 100}, extra_body={"ignore_eos": True})
+    # (decoded after the prompt, the word keeps the space its token starts with)
+    assert biased.choices[0].message.content.split() == [engine.tokenizer.decode([token]).strip()] * 4
+    again = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert again.choices[0].message.content == plain.choices[0].message.content
 
 
 def test_cache_salt_isolates_prefix_caches(server):

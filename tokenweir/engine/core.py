@@ -169,6 +169,9 @@ class EngineCore:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids below the vocabulary size ({vocab}), "
                              f"got {params.stop_token_ids}")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ParameterError("logit_bias", f"logit_bias must name token ids below the vocabulary size ({vocab}), "
+                                 f"got {sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
         request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                           sampling_params=self._with_eos_stop_ids(params),
                           arrival_time=self.clock() if hints.arrival_time is None else hints.arrival_time,

@@ -161,6 +161,7 @@ class ModelRunner:
 
     def _sampling_metadata(self, states: list[_RequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
+        penalized = [p.penalized for p in params]
         return SamplingMetadata.build(
             [p.temperature for p in params],
             top_p=[p.top_p for p in params],
@@ -173,5 +174,12 @@ class ModelRunner:
             # into stop_token_ids (unless ignore_eos), so this is the scheduler's stop set.
             stop_token_ids=[p.stop_token_ids for p in params],
             num_logprobs=[p.logprobs for p in params],
+            presence_penalty=[p.presence_penalty for p in params],
+            frequency_penalty=[p.frequency_penalty for p in params],
+            repetition_penalty=[p.repetition_penalty for p in params],
+            logit_bias=[p.logit_bias for p in params],
+            # Only the rows that need them (slicing every row's history every step would cost).
+            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] if pen else () for s, pen in zip(states, penalized)],
+            output_token_ids=[s.token_ids[s.num_prompt_tokens:] if pen else () for s, pen in zip(states, penalized)],
             device=self.device,
         )

@@ -1,8 +1,11 @@
-"""Token sampling for one step: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Token sampling for one step: greedy, temperature, top-k, top-p, min-p, penalties, logit
+bias, seeds, logprobs.
 
-Processing order per row: min_tokens mask -> temperature -> top-k -> top-p -> min-p -> sample.
-Logprobs are those of the raw model distribution (log-softmax of the logits before any of
-that processing), as vLLM reports them by default.
+Processing order per row: min_tokens mask -> logit bias -> repetition penalty -> frequency
+and presence penalties -> temperature -> top-k -> top-p -> min-p -> sample (greedy rows: the
+argmax after the penalties, as in vLLM and transformers). Logprobs are those of the raw model
+distribution (log-softmax of the logits before any of that processing), as vLLM reports them
+by default.
 """
 
 from __future__ import annotations
@@ -31,6 +34,21 @@ class RowGroup:
 
 
 @dataclass
+class Penalties:
+    """Presence, frequency and repetition penalties of a step with at least one penalised row,
+    and the tokens those rows saw."""
+
+    presence: torch.Tensor  # float32 [B], 0 = off
+    frequency: torch.Tensor  # float32 [B], 0 = off
+    repetition: torch.Tensor | None  # float32 [B], 1 = off; None when no row has one
+    # (batch row, token) of every output token of the penalised rows, repeated as often as it
+    # occurred, and of every prompt token of the rows with a repetition penalty (its tokens
+    # are the prompt's and the output's; None without one).
+    output: tuple[torch.Tensor, torch.Tensor]
+    prompt: tuple[torch.Tensor, torch.Tensor] | None
+
+
+@dataclass
 class SamplingMetadata:
     """Per-row sampling parameters of one step, as tensors built once."""
 
@@ -45,6 +63,8 @@ class SamplingMetadata:
     # (row, token) pairs to mask with -inf: EOS and stop tokens of rows below min_tokens.
     banned: tuple[torch.Tensor, torch.Tensor] | None
     num_logprobs: list[int | None]
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # (rows, tokens, biases)
+    penalties: Penalties | None = None
 
     @classmethod
     def build(
@@ -59,13 +79,20 @@ class SamplingMetadata:
         output_lens: Sequence[int] | None = None,
         stop_token_ids: Sequence[Sequence[int]] | None = None,
         num_logprobs: Sequence[int | None] | None = None,
+        presence_penalty: Sequence[float] | None = None,
+        frequency_penalty: Sequence[float] | None = None,
+        repetition_penalty: Sequence[float] | None = None,
+        logit_bias: Sequence[dict[int, float] | None] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """One entry per row in every list; a list left out means "off" for all rows.
 
         `stop_token_ids[r]` are the ids (EOS included) that row r may not produce while
         `output_lens[r] < min_tokens[r]`. Seeded rows pass their own `torch.Generator`
-        (kept by the caller across steps); None rows use the global RNG.
+        (kept by the caller across steps); None rows use the global RNG. A row with a penalty
+        needs its `prompt_token_ids` and `output_token_ids` (others' may be empty).
         """
         n = len(temperature)
         greedy = [t < GREEDY_TEMPERATURE for t in temperature]
@@ -101,7 +128,17 @@ class SamplingMetadata:
             if rows:
                 banned = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
 
+        bias = None
+        if logit_bias is not None and any(logit_bias):
+            entries = [(r, t, b) for r, biases in enumerate(logit_bias) if biases for t, b in biases.items()]
+            bias = (torch.tensor([e[0] for e in entries], device=device),
+                    torch.tensor([e[1] for e in entries], device=device),
+                    torch.tensor([float(e[2]) for e in entries], dtype=torch.float32, device=device))
+
         return cls(
+            logit_bias=bias,
+            penalties=_penalties(presence_penalty, frequency_penalty, repetition_penalty, prompt_token_ids,
+                                 output_token_ids, n, device),
             temperature=torch.tensor([1.0 if g else min(float(t), _MAX_TEMPERATURE) for g, t in zip(greedy, temperature)],
                                      device=device),
             greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
@@ -111,6 +148,48 @@ class SamplingMetadata:
             banned=banned,
             num_logprobs=list(num_logprobs) if num_logprobs is not None else [None] * n,
         )
+
+
+def _penalties(presence: Sequence[float] | None, frequency: Sequence[float] | None,
+               repetition: Sequence[float] | None, prompts: Sequence[Sequence[int]] | None,
+               outputs: Sequence[Sequence[int]] | None, n: int, device: torch.device | str) -> Penalties | None:
+    presence = list(presence) if presence is not None else [0.0] * n
+    frequency = list(frequency) if frequency is not None else [0.0] * n
+    repetition = list(repetition) if repetition is not None else [1.0] * n
+    penalised = [r for r in range(n) if presence[r] or frequency[r] or repetition[r] != 1.0]
+    if not penalised:
+        return None
+    if prompts is None or outputs is None:
+        raise ValueError("penalties need prompt_token_ids and output_token_ids")
+    repeating = [r for r in penalised if repetition[r] != 1.0]
+
+    def pairs(ids: Sequence[Sequence[int]], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor([r for r in rows for _ in ids[r]], dtype=torch.int64, device=device),
+                torch.tensor([t for r in rows for t in ids[r]], dtype=torch.int64, device=device))
+
+    def column(values: list[float]) -> torch.Tensor:
+        return torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
+
+    return Penalties(column(presence), column(frequency), column(repetition) if repeating else None,
+                     pairs(outputs, penalised), pairs(prompts, repeating) if repeating else None)
+
+
+def _penalize(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """The logits (float32) after the repetition, frequency and presence penalties. Only the
+    entries of tokens a row saw are read and written (a history is far shorter than the
+    vocabulary, and most rows of a batch have none)."""
+    vocab = logits.shape[-1]
+    logits = logits.clone()
+    flat = logits.view(-1)
+    if pen.repetition is not None and pen.prompt is not None:
+        seen = torch.unique(torch.cat([pen.prompt[0] * vocab + pen.prompt[1], pen.output[0] * vocab + pen.output[1]]))
+        values, factor = flat[seen], pen.repetition[seen // vocab]
+        flat[seen] = torch.where(values > 0, values / factor, values * factor)
+    entries, counts = torch.unique(pen.output[0] * vocab + pen.output[1], return_counts=True)
+    if entries.numel():
+        rows = entries // vocab
+        flat[entries] -= pen.frequency[rows] * counts + pen.presence[rows]
+    return logits
 
 
 @dataclass
@@ -124,13 +203,19 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """logits [B, V] (any float dtype) -> one token per row."""
         wants_logprobs = any(n is not None for n in meta.num_logprobs)
-        if not meta.all_greedy or wants_logprobs:
-            logits = logits.float()  # probabilities in float32; argmax alone needs no widening
+        changed = meta.logit_bias is not None or meta.penalties is not None
+        if not meta.all_greedy or wants_logprobs or changed:
+            logits = logits.float()  # probabilities and penalties in float32; argmax alone needs no widening
         raw_logprobs = logits.log_softmax(dim=-1) if wants_logprobs else None
         if meta.banned is not None:
             # In the logits' own dtype: all-greedy steps keep bf16 logits.
             minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
             logits = logits.index_put(meta.banned, minus_inf)
+        if meta.logit_bias is not None:
+            rows, tokens, biases = meta.logit_bias
+            logits = logits.index_put((rows, tokens), biases, accumulate=True)
+        if meta.penalties is not None:
+            logits = _penalize(logits, meta.penalties)
 
         # Right for greedy rows; sampled rows are overwritten below.
         tokens = kernels.argmax_rows(logits) if kernels.fused_ops_available(logits) else logits.argmax(dim=-1)

@@ -58,6 +58,28 @@ def _cap_integers(node: Any, maximum: int) -> None:
             _cap_integers(child, maximum)
 
 
+# pydantic writes the bounds of a union of int and float (`Number`) as its own keywords beside
+# the `anyOf`, which JSON Schema does not know (so a validator ignored them): these are theirs.
+_BOUND_KEYWORDS = {"ge": "minimum", "le": "maximum", "gt": "exclusiveMinimum", "lt": "exclusiveMaximum"}
+
+
+def _standard_keywords(node: Any) -> None:
+    """Number bounds in JSON Schema's words, and a dict whose keys must match a pattern closed
+    to other keys (pydantic refuses them; `patternProperties` alone admits them)."""
+    if isinstance(node, dict):
+        if "anyOf" in node:
+            for ours, standard in _BOUND_KEYWORDS.items():
+                if isinstance(node.get(ours), (int, float)):
+                    node[standard] = node.pop(ours)
+        if "patternProperties" in node:
+            node.setdefault("additionalProperties", False)
+        for child in node.values():
+            _standard_keywords(child)
+    elif isinstance(node, list):
+        for child in node:
+            _standard_keywords(child)
+
+
 def _bound_by_model(schemas: dict[str, Any], model: ModelInfo) -> None:
     """What the schema can say about the served model: prompt token ids below its vocabulary
     size, output lengths below max_model_len (the rest of the length rule needs the prompt's
@@ -79,6 +101,7 @@ def build_openapi(app: FastAPI, model: ModelInfo) -> dict[str, Any]:
         components = schema.get("components", {}).get("schemas", {})
         for name in ("HTTPValidationError", "ValidationError"):
             components.pop(name, None)
+        _standard_keywords(components)
         _bound_by_model(components, model)
         app.openapi_schema = schema
     return app.openapi_schema

@@ -6,7 +6,7 @@ only what the server accepts, as far as JSON Schema can say it; what depends on 
 the tokenized prompt (lengths, token ids) is checked after tokenizing, and answered with a 400.
 Unknown fields are ignored, as OpenAI-compatible servers do, so clients that send extras
 (`user`, ...) keep working; but a known field that would change the output in a way this engine
-does not do (`logit_bias`, the penalties, `tools`, ...) is refused unless it asks for nothing, so
+does not do (`tools`, `response_format`, beam search, ...) is refused unless it asks for nothing, so
 no client gets an answer that silently ignored what it asked for. `null` means a field's
 default, as in OpenAI's API (its clients send null for an argument given as None).
 """
@@ -20,8 +20,8 @@ from pydantic import (AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field,
                       StrictFloat, StrictInt, StrictStr, ValidationError, ValidationInfo, field_validator)
 from pydantic_core import PydanticCustomError
 
-from tokenweir.request import (MAX_KEY_CHARS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                               PRIORITY_MAX, PRIORITY_MIN)
+from tokenweir.request import (MAX_KEY_CHARS, MAX_LOGIT_BIAS_ENTRIES, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                               MAX_STOP_TOKEN_IDS, PRIORITY_MAX, PRIORITY_MIN, REPETITION_PENALTY_RANGE)
 
 # JSON has no infinity, but Python's parser reads `Infinity` and `NaN`: refuse them here.
 Number = Union[StrictInt, Annotated[StrictFloat, AllowInfNan(False)]]
@@ -99,11 +99,15 @@ class GenerationRequest(BaseModel):
     min_tokens: Annotated[Optional[Annotated[StrictInt, Field(ge=0)]], _null_is(0)] = 0
     include_stop_str_in_output: Annotated[Optional[StrictBool], _null_is(False)] = False
     skip_special_tokens: Annotated[Optional[StrictBool], _null_is(True)] = True
-    # Asked for nothing unless given; the sampler has no penalties, biases or constrained decoding.
-    logit_bias: Annotated[Optional[dict[StrictStr, Number]], _only({})] = _unsupported({})
-    presence_penalty: Annotated[Optional[Number], _only(0)] = _unsupported(0)
-    frequency_penalty: Annotated[Optional[Number], _only(0)] = _unsupported(0)
-    repetition_penalty: Annotated[Optional[Number], _only(1)] = _unsupported(1)  # vLLM's
+    # OpenAI's: {token id as a decimal string: bias}.
+    logit_bias: Optional[Annotated[dict[Annotated[StrictStr, Field(pattern=r"^[0-9]{1,18}$")],
+                                        Annotated[Number, Field(ge=-100, le=100)]],
+                                   Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]] = None
+    presence_penalty: Optional[Annotated[Number, Field(ge=-2, le=2)]] = None
+    frequency_penalty: Optional[Annotated[Number, Field(ge=-2, le=2)]] = None
+    repetition_penalty: Optional[Annotated[Number, Field(ge=REPETITION_PENALTY_RANGE[0],
+                                                         le=REPETITION_PENALTY_RANGE[1])]] = None  # vLLM's
+    # Asked for nothing unless given: no constrained decoding.
     response_format: Annotated[Optional[dict[StrictStr, Any]], _only({"type": "text"})] = _unsupported({"type": "text"})
     # vLLM's extras that change what is computed or returned.
     use_beam_search: Annotated[Optional[StrictBool], _only(False)] = _unsupported(False)
