@@ -237,7 +237,7 @@ class EngineArgs:
     max_model_len: Optional[int] = field(default=None, metadata={
         "help": "context length per request (default: the model's, capped to the KV pool)"})
     max_num_batched_tokens: Optional[int] = field(default=None, metadata={
-        "help": "token budget of one step (default 2048)"})
+        "help": "token budget of one step (default 2048; without chunked prefill, max(2048, max_model_len))"})
     max_num_seqs: Optional[int] = field(default=None, metadata={
         "help": "maximum number of running requests (default 256, or the token budget if smaller)"})
     block_size: int = field(default=16, metadata={"help": "tokens per KV block"})
