@@ -269,9 +269,8 @@ class SamplingParams:
 
     @property
     def penalized(self) -> bool:
-        """Whether any penalty or logit bias changes this request's logits."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+        """Whether a presence, frequency or repetition penalty reads this request's tokens."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

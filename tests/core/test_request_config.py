@@ -214,7 +214,8 @@ def test_bad_penalties_and_logit_bias_are_refused(kwargs, param):
 
 def test_penalties_default_to_off_and_logit_bias_is_copied():
     assert not SamplingParams().penalized
+    assert SamplingParams(repetition_penalty=1.1).penalized and SamplingParams(presence_penalty=-0.1).penalized
     bias = {3: 1.0}
     params = SamplingParams(logit_bias=bias)
     bias[4] = 2.0
-    assert params.penalized and params.logit_bias == {3: 1.0}
+    assert not params.penalized and params.logit_bias == {3: 1.0}

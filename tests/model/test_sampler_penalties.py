@@ -65,3 +65,13 @@ def test_penalties_apply_in_bf16_batches_and_leave_other_rows_alone():
 def test_penalties_without_token_histories_are_refused():
     with pytest.raises(ValueError, match="penalties need prompt_token_ids and output_token_ids"):
         SamplingMetadata.build([0.0], presence_penalty=[1.0])
+
+
+def test_a_token_history_grows_by_the_sampled_tokens():
+    from tokenweir.model.sampler import TokenHistory
+
+    history = TokenHistory([5, 6, 7], 2, "cpu")
+    for step in range(40):  # past several doublings of its buffer
+        history.extend([100 + step])
+    assert history.prompt.tolist() == [5, 6]
+    assert history.output.tolist() == [7] + [100 + s for s in range(40)]

@@ -28,7 +28,7 @@ import torch
 from tokenweir.core.scheduler import NewRequestData, SchedulerOutput
 from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches
 from tokenweir.model.loader import LoadedModel
-from tokenweir.model.sampler import Sampler, SamplingMetadata
+from tokenweir.model.sampler import Sampler, SamplingMetadata, TokenHistory, bias_tensors
 from tokenweir.model.swap import HostKVCache
 from tokenweir.request import SamplingParams
 
@@ -48,6 +48,10 @@ class _RequestState:
     block_ids: list[int]
     sampling_params: SamplingParams
     generator: Optional[torch.Generator]
+    # Built once per admission, read every step: a penalised request's tokens as a tensor
+    # (grown by each sampled token at commit), and its logit_bias as tensors.
+    history: Optional[TokenHistory] = None
+    bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 class ModelRunner:
@@ -85,8 +89,11 @@ class ModelRunner:
             generator = self.generators.get(new.request_id)
             if generator is None:
                 generator = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
-        return _RequestState(list(new.token_ids), new.num_prompt_tokens, list(new.block_ids),
-                             new.sampling_params, generator)
+        params = new.sampling_params
+        return _RequestState(
+            list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), params, generator,
+            TokenHistory(new.token_ids, new.num_prompt_tokens, self.device) if params.penalized else None,
+            bias_tensors(params.logit_bias, self.device) if params.logit_bias else None)
 
     def _swap(self, out: SchedulerOutput) -> None:
         if not (out.blocks_to_swap_out or out.blocks_to_swap_in):
@@ -157,11 +164,12 @@ class ModelRunner:
                 self.generators[rid] = state.generator
         for rid, tokens in result.sampled_token_ids.items():
             states[rid].token_ids.extend(tokens)
+            if states[rid].history is not None:
+                states[rid].history.extend(tokens)
         return result
 
     def _sampling_metadata(self, states: list[_RequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
-        penalized = [p.penalized for p in params]
         return SamplingMetadata.build(
             [p.temperature for p in params],
             top_p=[p.top_p for p in params],
@@ -177,9 +185,8 @@ class ModelRunner:
             presence_penalty=[p.presence_penalty for p in params],
             frequency_penalty=[p.frequency_penalty for p in params],
             repetition_penalty=[p.repetition_penalty for p in params],
-            logit_bias=[p.logit_bias for p in params],
-            # Only the rows that need them (slicing every row's history every step would cost).
-            prompt_token_ids=[s.token_ids[:s.num_prompt_tokens] if pen else () for s, pen in zip(states, penalized)],
-            output_token_ids=[s.token_ids[s.num_prompt_tokens:] if pen else () for s, pen in zip(states, penalized)],
+            logit_bias=[s.bias for s in states],
+            prompt_token_ids=[() if s.history is None else s.history.prompt for s in states],
+            output_token_ids=[() if s.history is None else s.history.output for s in states],
             device=self.device,
         )

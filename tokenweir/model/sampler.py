@@ -33,6 +33,40 @@ class RowGroup:
     top_p: torch.Tensor | None  # float32, inf = off
 
 
+class TokenHistory:
+    """A penalised request's token ids (prompt, then output) as a tensor that grows by its
+    sampled tokens: the penalties read it every step, and a list turned into a tensor each step
+    would cost time in proportion to the whole history."""
+
+    def __init__(self, token_ids: Sequence[int], num_prompt_tokens: int, device: torch.device | str) -> None:
+        self.num_prompt_tokens = num_prompt_tokens
+        self._ids = torch.tensor(list(token_ids) or [0], dtype=torch.int64, device=device)
+        self._len = len(token_ids)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        end = self._len + len(token_ids)
+        if end > self._ids.numel():  # doubling: amortised O(1) per token
+            grown = torch.empty(max(end, 2 * self._ids.numel()), dtype=torch.int64, device=self._ids.device)
+            grown[: self._len] = self._ids[: self._len]
+            self._ids = grown
+        self._ids[self._len:end] = torch.tensor(list(token_ids), dtype=torch.int64, device=self._ids.device)
+        self._len = end
+
+    @property
+    def prompt(self) -> torch.Tensor:
+        return self._ids[: self.num_prompt_tokens]
+
+    @property
+    def output(self) -> torch.Tensor:
+        return self._ids[self.num_prompt_tokens: self._len]
+
+
+def bias_tensors(bias: dict[int, float], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's logit_bias as (token ids, biases), built once per request."""
+    return (torch.tensor(list(bias), dtype=torch.int64, device=device),
+            torch.tensor([float(b) for b in bias.values()], dtype=torch.float32, device=device))
+
+
 @dataclass
 class Penalties:
     """Presence, frequency and repetition penalties of a step with at least one penalised row,
@@ -82,9 +116,9 @@ class SamplingMetadata:
         presence_penalty: Sequence[float] | None = None,
         frequency_penalty: Sequence[float] | None = None,
         repetition_penalty: Sequence[float] | None = None,
-        logit_bias: Sequence[dict[int, float] | None] | None = None,
-        prompt_token_ids: Sequence[Sequence[int]] | None = None,
-        output_token_ids: Sequence[Sequence[int]] | None = None,
+        logit_bias: Sequence[dict[int, float] | tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+        prompt_token_ids: Sequence[Sequence[int] | torch.Tensor] | None = None,
+        output_token_ids: Sequence[Sequence[int] | torch.Tensor] | None = None,
         device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
         """One entry per row in every list; a list left out means "off" for all rows.
@@ -92,7 +126,8 @@ class SamplingMetadata:
         `stop_token_ids[r]` are the ids (EOS included) that row r may not produce while
         `output_lens[r] < min_tokens[r]`. Seeded rows pass their own `torch.Generator`
         (kept by the caller across steps); None rows use the global RNG. A row with a penalty
-        needs its `prompt_token_ids` and `output_token_ids` (others' may be empty).
+        needs its `prompt_token_ids` and `output_token_ids` (others' may be empty), as lists or
+        int64 tensors (a `TokenHistory`'s); a row's `logit_bias` is a dict or `bias_tensors`'.
         """
         n = len(temperature)
         greedy = [t < GREEDY_TEMPERATURE for t in temperature]
@@ -129,11 +164,11 @@ class SamplingMetadata:
                 banned = (torch.tensor(rows, device=device), torch.tensor(cols, device=device))
 
         bias = None
-        if logit_bias is not None and any(logit_bias):
-            entries = [(r, t, b) for r, biases in enumerate(logit_bias) if biases for t, b in biases.items()]
-            bias = (torch.tensor([e[0] for e in entries], device=device),
-                    torch.tensor([e[1] for e in entries], device=device),
-                    torch.tensor([float(e[2]) for e in entries], dtype=torch.float32, device=device))
+        biased = [] if logit_bias is None else [(r, b) for r, b in enumerate(logit_bias) if b is not None and len(b)]
+        if biased:
+            parts = [bias_tensors(b, device) if isinstance(b, dict) else b for _, b in biased]
+            bias = (torch.cat([torch.full_like(tokens, r) for (r, _), (tokens, _) in zip(biased, parts)]),
+                    torch.cat([tokens for tokens, _ in parts]), torch.cat([values for _, values in parts]))
 
         return cls(
             logit_bias=bias,
@@ -163,9 +198,9 @@ def _penalties(presence: Sequence[float] | None, frequency: Sequence[float] | No
         raise ValueError("penalties need prompt_token_ids and output_token_ids")
     repeating = [r for r in penalised if repetition[r] != 1.0]
 
-    def pairs(ids: Sequence[Sequence[int]], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.tensor([r for r in rows for _ in ids[r]], dtype=torch.int64, device=device),
-                torch.tensor([t for r in rows for t in ids[r]], dtype=torch.int64, device=device))
+    def pairs(ids: Sequence[Sequence[int] | torch.Tensor], rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = [torch.as_tensor(ids[r], dtype=torch.int64, device=device) for r in rows]
+        return torch.cat([torch.full_like(t, r) for r, t in zip(rows, tokens)]), torch.cat(tokens)
 
     def column(values: list[float]) -> torch.Tensor:
         return torch.tensor([float(v) for v in values], dtype=torch.float32, device=device)
