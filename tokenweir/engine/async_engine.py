@@ -263,8 +263,11 @@ class AsyncLLMEngine:
         return num_waiting + self._num_submitted - num_taken
 
     def num_unfinished_requests(self) -> int:
-        """Requests the engine holds or that still have a live stream."""
-        return max(self._num_unfinished, len(self._active))
+        """Requests the engine holds or that still have a live stream. The engine's count comes
+        with its stats, after the acks of the adds it took: a request accepted and closed at once
+        (its stream forgotten) is counted until then by the engine side's streams, which keep it
+        until its final output is counted in the metrics (a length read from this thread)."""
+        return max(self._num_unfinished, len(self._active), len(self._side.streams))
 
     async def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                           hints: SchedulingHints = SchedulingHints(), *,
