@@ -123,7 +123,7 @@ def _profile(ns: argparse.Namespace) -> int:
 # serve`; simulated tokens are not sampled from a model), and the model, its dtype and device
 # and the GPU memory share are the profile's (take a profile of another model to simulate it).
 SIM_SKIPPED_ENGINE_ARGS = frozenset({"seed", "model", "served_model_name", "dtype", "device",
-                                     "gpu_memory_utilization"})
+                                     "gpu_memory_utilization", "generation_config"})
 
 
 def _simulate(ns: argparse.Namespace) -> int:

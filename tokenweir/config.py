@@ -19,6 +19,7 @@ from tokenweir.core.policies import POLICIES, PolicyConfig, SLAConfig, VTCConfig
 from tokenweir.core.policies.sla_score import UNMEETABLE_MARGIN
 from tokenweir.core.step_timing import LOW_RATIO_MIN_STEPS
 
+GENERATION_CONFIGS = ("auto", "vllm")  # vLLM's values (it also takes a folder)
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (core/preemption.py)
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
@@ -233,6 +234,9 @@ class EngineArgs:
     dtype: str = field(default="auto", metadata={
         "help": "auto | float32 | bfloat16 | float16 (auto: bf16 where the CPU runs it fast)"})
     device: str = field(default="auto", metadata={"help": "auto | cpu | cuda"})
+    generation_config: str = field(default="auto", metadata={
+        "help": "auto: the model folder's generation_config.json sets the default temperature, top_p, top_k, "
+                "min_p and repetition_penalty of requests that leave them unset (as vLLM); vllm: ignore it"})
     seed: int = field(default=0, metadata={"help": "seed of the model's random state"})
     max_model_len: Optional[int] = field(default=None, metadata={
         "help": "context length per request (default: the model's, capped to the KV pool)"})
@@ -373,6 +377,9 @@ class EngineArgs:
         # The scheduler core takes any block size; the model's KV cache stores keys and values
         # in pairs (attention.py), so the engine needs an even one.
         _check_bool("disable_log_stats", self.disable_log_stats)
+        if self.generation_config not in GENERATION_CONFIGS:
+            raise ValueError(f"generation_config must be one of {', '.join(GENERATION_CONFIGS)}, "
+                             f"got {self.generation_config!r}")
         if not is_finite_number(self.gpu_memory_utilization) or not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not is_integer(self.block_size) or self.block_size < 2 or self.block_size % 2:

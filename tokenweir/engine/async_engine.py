@@ -189,7 +189,8 @@ class AsyncLLMEngine:
         # The server tokenizes in its threads while the engine thread detokenizes. A copy of
         # its own keeps the engine thread off the server's Rust tokenizer, whose mutating calls
         # (padding and truncation settings) fail when another thread holds it.
-        self._init_front(ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size),
+        self._init_front(ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size,
+                                   core.default_sampling_params),
                          copy.deepcopy(core.tokenizer), core.args, core.scheduler_config.max_num_batched_tokens,
                          core.get_stats(), log_stats, stats_interval_s, core.clock)
         self._commands: queue.SimpleQueue[Command] = queue.SimpleQueue()

@@ -6,7 +6,7 @@ it too, so the server never depends on which one it serves from or reaches into 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterable, Optional, Protocol, Union, runtime_checkable
 
 from prometheus_client import CollectorRegistry
@@ -37,6 +37,9 @@ class ModelInfo:
     name: str
     max_model_len: int  # the longest request (prompt + output) the engine accepts
     vocab_size: int
+    # SamplingParams fields a request that leaves them unset gets (the model's
+    # generation_config.json under --generation-config auto); the rest: SamplingParams' own.
+    default_sampling_params: dict[str, float] = field(default_factory=dict)
 
 
 class OutputStream(Protocol):

@@ -92,6 +92,12 @@ class EngineCore:
         num_tokens = num_blocks * args.block_size
         logger.info("model %s (%s, %s on %s)", self.served_model_name, self.loaded.path,
                     str(self.loaded.dtype).removeprefix("torch."), self.loaded.device)
+        # What a request that leaves these unset gets (LLM.generate without params, the
+        # server's bodies), as vLLM's --generation-config auto does.
+        self.default_sampling_params = dict(self.loaded.sampling_defaults) if args.generation_config == "auto" else {}
+        if self.default_sampling_params:
+            logger.info("default sampling parameters from the model's generation_config.json (--generation-config "
+                        "vllm ignores them): %s", self.default_sampling_params)
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency for %d tokens "
                     "per request: %.2fx", num_blocks, args.block_size, num_tokens, self.max_model_len,
                     num_tokens / self.max_model_len)

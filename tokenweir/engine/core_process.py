@@ -140,7 +140,8 @@ def run_engine_process(args: EngineArgs, step_trace_path: Optional[str], idle_wa
     if step_trace is not None:
         step_trace.write_header(core.describe())
     frozen = freeze_startup_heap()  # this process holds its one engine until it exits
-    events.send(EngineInfo(ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size),
+    events.send(EngineInfo(ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size,
+                                     core.default_sampling_params),
                            core.tokenizer, core.scheduler_config.max_num_batched_tokens, core.get_stats(), frozen))
     sink = _ShippingSink(events)
     loop = CoreLoop(core, sink, step_trace, flush=sink.flush)

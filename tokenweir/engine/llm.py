@@ -96,6 +96,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling_params: SamplingParams' defaults,
+        but for what the model's generation_config.json sets (`generation_config="auto"`)."""
+        return SamplingParams(**self.engine.default_sampling_params)
+
     def generate(self, prompts: Union[PromptType, Sequence[PromptType]],
                  sampling_params: Union[None, SamplingParams, Sequence[SamplingParams]] = None,
                  priority: PerPrompt[int] = None, use_tqdm: bool = True, *,
@@ -161,7 +166,7 @@ class LLM:
              given: _Hints, use_tqdm: bool) -> list[RequestOutput]:
         n = len(prompts)
         if sampling_params is None:
-            params = [SamplingParams()] * n
+            params = [self.get_default_sampling_params()] * n
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * n
         else:

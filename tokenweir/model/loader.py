@@ -8,7 +8,7 @@ import contextlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -17,6 +17,7 @@ import torch
 from tokenweir.model.arch import ModelArchConfig, arch_from_hf_folder, canonical_dtype
 from tokenweir.model.gguf_conversion import ensure_hf_folder
 from tokenweir.model.llama import LlamaForCausalLM, checkpoint_weights
+from tokenweir.request import SamplingParams
 
 # Any of these gives AutoTokenizer a vocabulary (tokenizer_config.json alone does not).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -34,6 +35,8 @@ class LoadedModel:
     device: torch.device
     name: str  # served model name
     path: str  # the HF folder the weights were read from
+    # The sampling knobs generation_config.json sets (SamplingParams names), checked.
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 def default_model_path() -> str:
@@ -176,6 +179,31 @@ def _load_tokenizer(folder: Path) -> Any:
         raise ValueError(f"{folder}: the tokenizer files could not be loaded: {type(e).__name__}: {first_line}") from e
 
 
+# generation_config.json keys vLLM takes as request defaults (`--generation-config auto`); the
+# rest (do_sample, max_new_tokens, ...) is not a default of a request's sampling.
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(folder: Path) -> dict[str, float]:
+    """The request defaults the model's creators recommend in generation_config.json (none
+    without the file), checked as SamplingParams checks them."""
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a JSON file: {e}") from e
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    defaults = {key: config[key] for key in _SAMPLING_DEFAULT_KEYS if config.get(key) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+    return defaults
+
+
 def load_model(
     model: str | None = None, dtype: str | torch.dtype = "auto", device: str | torch.device = "auto"
 ) -> LoadedModel:
@@ -201,6 +229,7 @@ def load_model(
     weight_files = _weight_files(folder)
     _check_weights(_weight_shapes(weight_files), arch, folder)
     tokenizer = _load_tokenizer(folder)
+    defaults = sampling_defaults(folder)
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -213,5 +242,5 @@ def load_model(
     net.load_weights(state)
     net.eval()
     return LoadedModel(
-        model=net, arch=arch, tokenizer=tokenizer, dtype=torch_dtype, device=dev, name=name, path=str(folder)
-    )
+        model=net, arch=arch, tokenizer=tokenizer, dtype=torch_dtype, device=dev, name=name, path=str(folder),
+        sampling_defaults=defaults)

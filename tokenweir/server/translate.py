@@ -94,14 +94,13 @@ class RequestTranslator:
                  max_tokens: int, logprobs: Optional[int], arrival: float,
                  grant: Optional[KeyGrant]) -> EngineRequest:
         try:
+            # A knob the body leaves unset: the model's default (generation_config.json), else
+            # SamplingParams' own.
+            given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
             params = SamplingParams(
                 max_tokens=max_tokens, min_tokens=body.min_tokens,
-                temperature=1.0 if body.temperature is None else body.temperature,
-                top_p=1.0 if body.top_p is None else body.top_p,
-                top_k=0 if body.top_k is None else body.top_k,
-                min_p=0.0 if body.min_p is None else body.min_p,
+                **{**self.model.default_sampling_params, **{k: v for k, v in given.items() if v is not None}},
                 presence_penalty=body.presence_penalty or 0.0, frequency_penalty=body.frequency_penalty or 0.0,
-                repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
                 logit_bias=None if body.logit_bias is None else {int(t): b for t, b in body.logit_bias.items()},
                 stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
                 seed=body.seed, logprobs=logprobs, include_stop_str_in_output=body.include_stop_str_in_output,
