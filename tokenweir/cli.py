@@ -92,9 +92,13 @@ def _generate(ns: argparse.Namespace) -> int:
 
     # Both checked before the model loads: a bad flag fails in a moment, not after the load.
     args = engine_args_from(ns)
-    params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p,
-                            seed=ns.seed_sampling)
+    given = {name: value for name, value in (("temperature", ns.temperature), ("top_p", ns.top_p)) if value is not None}
+    SamplingParams(max_tokens=ns.max_tokens, seed=ns.seed_sampling, **given)
     llm = LLM(**dataclasses.asdict(args))
+    # The model's defaults (--generation-config auto) for what the flags leave unset; greedy
+    # unless --temperature is given, whatever the model's file says (the command's default).
+    params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=ns.max_tokens, seed=ns.seed_sampling,
+                                 **{"temperature": 0.0, **given})
     if ns.chat:
         outputs = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
     else:
@@ -123,7 +127,7 @@ def _profile(ns: argparse.Namespace) -> int:
 # serve`; simulated tokens are not sampled from a model), and the model, its dtype and device
 # and the GPU memory share are the profile's (take a profile of another model to simulate it).
 SIM_SKIPPED_ENGINE_ARGS = frozenset({"seed", "model", "served_model_name", "dtype", "device",
-                                     "gpu_memory_utilization", "generation_config"})
+                                     "gpu_memory_utilization"})
 
 
 def _simulate(ns: argparse.Namespace) -> int:
@@ -192,8 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="print one completion")
     gen.add_argument("prompt")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--temperature", type=float, default=None, help="default 0 (greedy)")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="default: the model's generation_config.json (--generation-config auto), else 1")
     gen.add_argument("--seed-sampling", type=int, default=None, help="sampling seed")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap the prompt in the model's chat template (default on)")

@@ -48,7 +48,36 @@ def test_vllm_ignores_the_models_generation_config(make_llm, folder):
 def test_a_bad_generation_config_is_refused_naming_the_file(make_llm, folder, tmp_path):
     with open(f"{folder}/generation_config.json", "w") as f:
         json.dump({"repetition_penalty": 0}, f)
-    with pytest.raises(ValueError, match=r"generation_config.json: repetition_penalty must be in"):
+    with pytest.raises(ValueError, match=r"generation_config.json: repetition_penalty must be in .*"
+                                         r"\(--generation-config vllm ignores this file\)"):
         make_llm(folder)
+    # ... which vllm does: the file is not read.
+    assert make_llm(folder, generation_config="vllm").get_default_sampling_params() == SamplingParams()
     with pytest.raises(ValueError, match="generation_config must be one of auto, vllm"):
         EngineArgs(generation_config="model")
+
+
+@pytest.mark.parametrize("flags, expected", [
+    ([], (0.0, 1.0, 1.8, 5)),  # greedy by the command's default; the model's other knobs
+    (["--temperature", "0.5", "--top-p", "0.9"], (0.5, 0.9, 1.8, 5)),
+    (["--generation-config", "vllm"], (0.0, 1.0, 1.0, 0)),
+])
+def test_the_generate_command_takes_the_models_defaults_for_what_its_flags_leave(folder, monkeypatch, capsys,
+                                                                                 flags, expected):
+    from tokenweir import cli
+    from tokenweir.engine.core import EngineCore
+
+    seen = []
+    add_request = EngineCore.add_request
+
+    def spy(self, *args, **kwargs):
+        request = add_request(self, *args, **kwargs)
+        seen.append(request.sampling_params)
+        return request
+
+    monkeypatch.setattr(EngineCore, "add_request", spy)
+    cli.main(["generate", "hi", "--no-chat", "--max-tokens", "2", "--model", folder, "--dtype", "float32",
+              "--device", "cpu", "--num-gpu-blocks-override", "64", *flags])
+    (params,) = seen
+    assert (params.temperature, params.top_p, params.repetition_penalty, params.top_k) == expected
+    assert params.max_tokens == 2

@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional, Union
 
 import torch
@@ -24,7 +25,7 @@ from tokenweir.engine.cpu_allocator import keep_freed_memory
 from tokenweir.engine.output import OutputProcessor, OutputState, RequestOutput
 from tokenweir.machine import cpu_name
 from tokenweir.model.arch import kv_cache_bytes_per_block
-from tokenweir.model.loader import LoadedModel, load_model
+from tokenweir.model.loader import LoadedModel, load_model, sampling_defaults
 from tokenweir.model.runner import ModelRunner
 from tokenweir.request import ParameterError, Request, SamplingParams, SchedulingHints
 
@@ -94,7 +95,8 @@ class EngineCore:
                     str(self.loaded.dtype).removeprefix("torch."), self.loaded.device)
         # What a request that leaves these unset gets (LLM.generate without params, the
         # server's bodies), as vLLM's --generation-config auto does.
-        self.default_sampling_params = dict(self.loaded.sampling_defaults) if args.generation_config == "auto" else {}
+        self.default_sampling_params = (sampling_defaults(Path(self.loaded.path)) if args.generation_config == "auto"
+                                        else {})
         if self.default_sampling_params:
             logger.info("default sampling parameters from the model's generation_config.json (--generation-config "
                         "vllm ignores them): %s", self.default_sampling_params)

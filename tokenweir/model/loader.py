@@ -8,7 +8,7 @@ import contextlib
 import importlib.util
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -35,8 +35,6 @@ class LoadedModel:
     device: torch.device
     name: str  # served model name
     path: str  # the HF folder the weights were read from
-    # The sampling knobs generation_config.json sets (SamplingParams names), checked.
-    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 def default_model_path() -> str:
@@ -200,7 +198,7 @@ def sampling_defaults(folder: Path) -> dict[str, float]:
     try:
         SamplingParams(**defaults)
     except ValueError as e:
-        raise ValueError(f"{path}: {e}") from e
+        raise ValueError(f"{path}: {e} (--generation-config vllm ignores this file)") from e
     return defaults
 
 
@@ -229,7 +227,6 @@ def load_model(
     weight_files = _weight_files(folder)
     _check_weights(_weight_shapes(weight_files), arch, folder)
     tokenizer = _load_tokenizer(folder)
-    defaults = sampling_defaults(folder)
 
     dev = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, dev)
@@ -242,5 +239,5 @@ def load_model(
     net.load_weights(state)
     net.eval()
     return LoadedModel(
-        model=net, arch=arch, tokenizer=tokenizer, dtype=torch_dtype, device=dev, name=name, path=str(folder),
-        sampling_defaults=defaults)
+        model=net, arch=arch, tokenizer=tokenizer, dtype=torch_dtype, device=dev, name=name, path=str(folder)
+    )
