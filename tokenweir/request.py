@@ -97,6 +97,10 @@ _INT64_LIMIT = 2**63
 MAX_STOP_STRINGS = 256
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+# generation_config.json keys vLLM takes as request defaults (`--generation-config auto`): the
+# model's file and a request body's unset fields are read by the same names. The rest
+# (do_sample, max_new_tokens, ...) is not a default of a request's sampling.
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 # logit_bias is applied every step: bounded as the stop ids are (OpenAI allows 300 entries).
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # A logit is divided by the penalty (or multiplied): a float32 logit divided by one much

@@ -17,7 +17,7 @@ import torch
 from tokenweir.model.arch import ModelArchConfig, arch_from_hf_folder, canonical_dtype
 from tokenweir.model.gguf_conversion import ensure_hf_folder
 from tokenweir.model.llama import LlamaForCausalLM, checkpoint_weights
-from tokenweir.request import SamplingParams
+from tokenweir.request import GENERATION_CONFIG_KEYS, SamplingParams
 
 # Any of these gives AutoTokenizer a vocabulary (tokenizer_config.json alone does not).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
@@ -177,11 +177,6 @@ def _load_tokenizer(folder: Path) -> Any:
         raise ValueError(f"{folder}: the tokenizer files could not be loaded: {type(e).__name__}: {first_line}") from e
 
 
-# generation_config.json keys vLLM takes as request defaults (`--generation-config auto`); the
-# rest (do_sample, max_new_tokens, ...) is not a default of a request's sampling.
-_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
 def sampling_defaults(folder: Path) -> dict[str, float]:
     """The request defaults the model's creators recommend in generation_config.json (none
     without the file), checked as SamplingParams checks them."""
@@ -194,7 +189,7 @@ def sampling_defaults(folder: Path) -> dict[str, float]:
         raise ValueError(f"{path}: not a JSON file: {e}") from e
     if not isinstance(config, dict):
         raise ValueError(f"{path}: expected a JSON object")
-    defaults = {key: config[key] for key in _SAMPLING_DEFAULT_KEYS if config.get(key) is not None}
+    defaults = {key: config[key] for key in GENERATION_CONFIG_KEYS if config.get(key) is not None}
     try:
         SamplingParams(**defaults)
     except ValueError as e:

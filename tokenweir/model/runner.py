@@ -170,6 +170,9 @@ class ModelRunner:
 
     def _sampling_metadata(self, states: list[_RequestState]) -> SamplingMetadata:
         params = [s.sampling_params for s in states]
+        # Most steps have no penalised or biased row: their per-row lists are left out.
+        penalised = any(s.history is not None for s in states)
+        biased = any(s.bias is not None for s in states)
         return SamplingMetadata.build(
             [p.temperature for p in params],
             top_p=[p.top_p for p in params],
@@ -182,11 +185,11 @@ class ModelRunner:
             # into stop_token_ids (unless ignore_eos), so this is the scheduler's stop set.
             stop_token_ids=[p.stop_token_ids for p in params],
             num_logprobs=[p.logprobs for p in params],
-            presence_penalty=[p.presence_penalty for p in params],
-            frequency_penalty=[p.frequency_penalty for p in params],
-            repetition_penalty=[p.repetition_penalty for p in params],
-            logit_bias=[s.bias for s in states],
-            prompt_token_ids=[() if s.history is None else s.history.prompt for s in states],
-            output_token_ids=[() if s.history is None else s.history.output for s in states],
+            presence_penalty=[p.presence_penalty for p in params] if penalised else None,
+            frequency_penalty=[p.frequency_penalty for p in params] if penalised else None,
+            repetition_penalty=[p.repetition_penalty for p in params] if penalised else None,
+            logit_bias=[s.bias for s in states] if biased else None,
+            prompt_token_ids=[() if s.history is None else s.history.prompt for s in states] if penalised else None,
+            output_token_ids=[() if s.history is None else s.history.output for s in states] if penalised else None,
             device=self.device,
         )

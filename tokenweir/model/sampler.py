@@ -216,11 +216,12 @@ def _penalize(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
     vocab = logits.shape[-1]
     logits = logits.clone()
     flat = logits.view(-1)
+    output = pen.output[0] * vocab + pen.output[1]  # entries of the flat logits
     if pen.repetition is not None and pen.prompt is not None:
-        seen = torch.unique(torch.cat([pen.prompt[0] * vocab + pen.prompt[1], pen.output[0] * vocab + pen.output[1]]))
+        seen = torch.unique(torch.cat([pen.prompt[0] * vocab + pen.prompt[1], output]))
         values, factor = flat[seen], pen.repetition[seen // vocab]
         flat[seen] = torch.where(values > 0, values / factor, values * factor)
-    entries, counts = torch.unique(pen.output[0] * vocab + pen.output[1], return_counts=True)
+    entries, counts = torch.unique(output, return_counts=True)
     if entries.numel():
         rows = entries // vocab
         flat[entries] -= pen.frequency[rows] * counts + pen.presence[rows]

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from tokenweir.engine.client import ModelInfo
-from tokenweir.request import ParameterError, SamplingParams, SchedulingHints, resolve_max_tokens
+from tokenweir.request import (GENERATION_CONFIG_KEYS, ParameterError, SamplingParams, SchedulingHints,
+                               resolve_max_tokens)
 from tokenweir.server.auth import KeyGrant
 from tokenweir.server.errors import APIError, bad_request
 from tokenweir.server.prompt_bound import max_chars_per_token, min_num_tokens
@@ -96,7 +97,7 @@ class RequestTranslator:
         try:
             # A knob the body leaves unset: the model's default (generation_config.json), else
             # SamplingParams' own.
-            given = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")}
+            given = {name: getattr(body, name) for name in GENERATION_CONFIG_KEYS}
             params = SamplingParams(
                 max_tokens=max_tokens, min_tokens=body.min_tokens,
                 **{**self.model.default_sampling_params, **{k: v for k, v in given.items() if v is not None}},
