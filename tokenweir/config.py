@@ -18,9 +18,12 @@ from tokenweir.core.batch_slo import DEFAULT_MIN_NUM_BATCHED_TOKENS
 from tokenweir.core.policies import POLICIES, PolicyConfig, SLAConfig, VTCConfig, parse_tenant_weights
 from tokenweir.core.policies.sla_score import UNMEETABLE_MARGIN
 from tokenweir.core.step_timing import LOW_RATIO_MIN_STEPS
+from tokenweir.request import PRIORITY_MAX, PRIORITY_MIN
 
 GENERATION_CONFIGS = ("auto", "vllm")  # vLLM's values (it also takes a folder)
 PREEMPTION_MODES = ("recompute", "swap", "auto")  # auto: per victim, by cost (core/preemption.py)
+LOW_PRIORITY_KV_CACHE_DTYPES = ("auto", "int8")  # auto: the model's dtype, as every other request
+DEFAULT_LOW_PRIORITY_THRESHOLD = 1  # priority >= 1: less important than a request that sets none
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
                "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -172,9 +175,18 @@ class CacheConfig:
     # Secret key of the prefix-cache block keys (core/block_hash.py); replicas of a deployment
     # share it. None: unkeyed BLAKE2b (still unforgeable, but computable from outside).
     prefix_cache_hash_key: Optional[bytes] = None
+    # Requests with priority >= this store their K/V in int8 (None: none does), and the tokens a
+    # block then holds (set by the engine from the model's head size and dtype).
+    int8_kv_min_priority: Optional[int] = None
+    int8_block_size: int = 0
 
     def __post_init__(self) -> None:
         _check_int("block_size", self.block_size, 1)
+        threshold = self.int8_kv_min_priority
+        if threshold is not None and (not is_integer(threshold) or not PRIORITY_MIN <= threshold <= PRIORITY_MAX):
+            raise ValueError(f"the int8 K/V priority threshold must be an integer in [{PRIORITY_MIN}, "
+                             f"{PRIORITY_MAX}], got {threshold!r}")
+        _check_int("int8_block_size", self.int8_block_size, 0)
         key = self.prefix_cache_hash_key
         if key is not None and (not isinstance(key, bytes) or not 0 < len(key) <= 64):
             raise ValueError(f"the prefix-cache hash key must be 1 to 64 bytes, got {len(key) if isinstance(key, bytes) else key!r}")
@@ -362,6 +374,13 @@ class EngineArgs:
                 "measured step times (default: the shipped CPU one)"})
     preemption_mode: str = field(default="recompute", metadata={
         "help": "recompute | swap | auto (per victim, by predicted cost; swap needs --swap-space)"})
+    low_priority_kv_cache_dtype: str = field(default="auto", metadata={
+        "help": "auto (every request's K/V in the model's dtype) | int8: requests with priority >= "
+                "--low-priority-threshold store theirs in int8 with a scale per token and head, about 1.9x "
+                "the tokens per block for bf16 (the others are computed exactly as before)"})
+    low_priority_threshold: Optional[int] = field(default=None, metadata={
+        "help": f"with --low-priority-kv-cache-dtype int8: the least priority value compressed (larger is less "
+                f"important; default {DEFAULT_LOW_PRIORITY_THRESHOLD})"})
     watermark: float = field(default=0.0, metadata={
         "help": "fraction of KV blocks kept free when admitting new requests"})
     swap_space: float = field(default=0.0, metadata={"help": "GiB of host memory for swap preemption"})
@@ -401,9 +420,11 @@ class EngineArgs:
         return [f.name for f in fields(cls)]
 
     def create_engine_configs(
-        self, model_max_len: int, num_blocks: int, *, num_host_blocks: int = 0, kv_block_bytes: int = 0
+        self, model_max_len: int, num_blocks: int, *, num_host_blocks: int = 0, kv_block_bytes: int = 0,
+        int8_block_size: int = 0,
     ) -> tuple[CacheConfig, SchedulerConfig]:
-        """Resolve defaults against the model (its context length) and the KV pools' sizes."""
+        """Resolve defaults against the model (its context length, and with int8 K/V the tokens an
+        int8 block holds) and the KV pools' sizes."""
         capacity = num_blocks * self.block_size
         # Unset, max_model_len is the model's context, shrunk to what the pool holds (a small
         # CPU pool should still serve); set explicitly, it must fit both.
@@ -417,7 +438,11 @@ class EngineArgs:
                 f"blocks x {self.block_size} = {capacity} tokens); raise kv_cache_memory / "
                 "num_gpu_blocks_override or lower max_model_len")
         cache, scheduler = self._scheduler_and_cache_configs(max_model_len, num_blocks)
-        return replace(cache, num_host_blocks=num_host_blocks, kv_block_bytes=kv_block_bytes), scheduler
+        if cache.int8_kv_min_priority is not None and int8_block_size < 2:
+            raise ValueError("low_priority_kv_cache_dtype 'int8' needs the tokens an int8 block holds, got "
+                             f"{int8_block_size}")
+        return replace(cache, num_host_blocks=num_host_blocks, kv_block_bytes=kv_block_bytes,
+                       int8_block_size=int8_block_size), scheduler
 
     def _scheduler_and_cache_configs(self, max_model_len: Optional[int],
                                      num_blocks: int) -> tuple[CacheConfig, SchedulerConfig]:
@@ -428,7 +453,8 @@ class EngineArgs:
         cache = CacheConfig(block_size=self.block_size, num_blocks=num_blocks,
                             prefix_cache_hash_key=prefix_cache_key_from_env(),
                             enable_prefix_caching=self.enable_prefix_caching, watermark=self.watermark,
-                            preemption_mode=self.preemption_mode, swap_space=self.swap_space)
+                            preemption_mode=self.preemption_mode, swap_space=self.swap_space,
+                            int8_kv_min_priority=self._int8_kv_min_priority())
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else min(256, budget)
         scheduler = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
                                     max_model_len=max_model_len, policy=self.scheduling_policy,
@@ -441,6 +467,18 @@ class EngineArgs:
                                     batch_controller=self.batch_controller,
                                     batch_control_config=self._batch_control_config())
         return cache, scheduler
+
+    def _int8_kv_min_priority(self) -> Optional[int]:
+        if self.low_priority_kv_cache_dtype not in LOW_PRIORITY_KV_CACHE_DTYPES:
+            raise ValueError(f"low_priority_kv_cache_dtype must be one of {', '.join(LOW_PRIORITY_KV_CACHE_DTYPES)}, "
+                             f"got {self.low_priority_kv_cache_dtype!r}")
+        if self.low_priority_kv_cache_dtype == "auto":
+            if self.low_priority_threshold is not None:
+                raise ValueError("low_priority_threshold only applies to low_priority_kv_cache_dtype 'int8'")
+            return None
+        if self.low_priority_threshold is None:
+            return DEFAULT_LOW_PRIORITY_THRESHOLD
+        return self.low_priority_threshold
 
     _SLO_BATCH_ARGS = {"min_num_batched_tokens": "min_num_batched_tokens", "min_num_seqs": "min_num_seqs",
                        "initial_num_batched_tokens": "initial_num_batched_tokens",

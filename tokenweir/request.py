@@ -309,6 +309,8 @@ class Request:
     status_message: Optional[str] = None  # why it was ignored / failed
     # Chained hashes of this request's full blocks, extended as tokens arrive (see kv_cache_manager).
     block_hashes: list[int] = field(default_factory=list)
+    # Its K/V are stored in int8 (a low-priority request; the KV cache manager decides when it is added).
+    kv_int8: bool = False
     # Timestamps.
     first_scheduled_time: Optional[float] = None
     first_token_time: Optional[float] = None

@@ -24,7 +24,8 @@ def create_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: Optional
                      long_prefill_token_threshold: int = 0, enable_prefix_caching: bool = True,
                      watermark: float = 0.0, preemption_mode: str = "recompute", num_host_blocks: int = 0,
                      kv_block_bytes: int = 0, cost_model: Optional[StepCostModel] = None,
-                     composition: Optional[CompositionConfig] = None) -> Scheduler:
+                     composition: Optional[CompositionConfig] = None, int8_block_size: int = 0,
+                     int8_kv_min_priority: Optional[int] = None) -> Scheduler:
     """A scheduler on tiny limits; `policy` is a registered name or a policy object to inject.
     `max_num_seqs` defaults to 16, or the budget if that is smaller (the budget must cover it).
     Swap preemption needs `num_host_blocks` (and, for `auto`, `kv_block_bytes`)."""
@@ -39,7 +40,8 @@ def create_scheduler(*, max_num_batched_tokens: int = 64, max_num_seqs: Optional
         CacheConfig(block_size=block_size, num_blocks=num_blocks,
                     enable_prefix_caching=enable_prefix_caching, watermark=watermark,
                     preemption_mode=preemption_mode, num_host_blocks=num_host_blocks,
-                    kv_block_bytes=kv_block_bytes),
+                    kv_block_bytes=kv_block_bytes, int8_block_size=int8_block_size,
+                    int8_kv_min_priority=int8_kv_min_priority),
         policy=None if isinstance(policy, str) else policy, cost_model=cost_model)
 
 
@@ -71,6 +73,7 @@ class _RunnerRequest:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    block_size: int  # tokens per block: the pool's, or an int8 request's
 
 
 @dataclass
@@ -81,27 +84,35 @@ class PagedFakeRunner:
     SchedulerOutput, "writes" each computed token into a fake paged KV cache at its slot, and
     computes the next token from the context it reads back through the block table. A wrong
     block table, a bad prefix-cache hit or a lost/duplicated token changes the output stream
-    or trips an assertion.
+    or trips an assertion. An int8 request's blocks hold `int8_block_size` tokens; a slot is
+    (block, offset), so a block read with the wrong size, or by a request of the other kind
+    (whose positions lie elsewhere in it), reads wrong positions.
     """
 
     block_size: int
     token_fn: Callable[[list[int]], int] = next_token
-    kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (token, position)
-    host_kv: dict[int, tuple[int, int]] = field(default_factory=dict)  # the host tier's slots
+    int8_block_size: int = 0
+    # slot (block, offset) -> (token, position)
+    kv: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)
+    host_kv: dict[tuple[int, int], tuple[int, int]] = field(default_factory=dict)  # the host tier's slots
     state: dict[str, _RunnerRequest] = field(default_factory=dict)
 
-    def _copy_blocks(self, src: dict[int, tuple[int, int]], dst: dict[int, tuple[int, int]],
+    @classmethod
+    def for_scheduler(cls, scheduler: Scheduler) -> PagedFakeRunner:
+        return cls(scheduler.block_size, int8_block_size=scheduler.kv_cache_manager.int8_block_size)
+
+    def _copy_blocks(self, src: dict[tuple[int, int], tuple[int, int]], dst: dict[tuple[int, int], tuple[int, int]],
                      pairs: list[tuple[int, int]]) -> None:
         for src_block, dst_block in pairs:
-            for offset in range(self.block_size):
-                entry = src.get(src_block * self.block_size + offset)
+            for offset in range(max(self.block_size, self.int8_block_size)):
+                entry = src.get((src_block, offset))
                 if entry is None:
-                    dst.pop(dst_block * self.block_size + offset, None)
+                    dst.pop((dst_block, offset), None)
                 else:
-                    dst[dst_block * self.block_size + offset] = entry
+                    dst[(dst_block, offset)] = entry
 
-    def _slot(self, req: _RunnerRequest, pos: int) -> int:
-        return req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
+    def _slot(self, req: _RunnerRequest, pos: int) -> tuple[int, int]:
+        return req.block_ids[pos // req.block_size], pos % req.block_size
 
     def _read(self, req: _RunnerRequest, upto: int) -> list[int]:
         context = []
@@ -120,8 +131,10 @@ class PagedFakeRunner:
         for rid in out.finished_req_ids | out.preempted_req_ids:
             self.state.pop(rid, None)
         for new in out.scheduled_new_reqs:
+            assert not new.kv_int8 or self.int8_block_size, "an int8 request, and the runner has no int8 blocks"
             self.state[new.request_id] = _RunnerRequest(
-                list(new.token_ids), list(new.block_ids), new.num_computed_tokens)
+                list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
+                self.int8_block_size if new.kv_int8 else self.block_size)
         for rid, new_block_ids, num_computed in out.scheduled_cached_reqs.rows():
             req = self.state[rid]
             assert req.num_computed_tokens == num_computed
@@ -175,9 +188,10 @@ def assert_writes_own_blocks(scheduler: Scheduler, out: SchedulerOutput) -> None
     is not published in the prefix cache: a shared or cached block is read, never written (the
     fake runner cannot see such a write when the tokens agree; a real model's K/V would change
     under the other readers)."""
-    kv, size = scheduler.kv_cache_manager, scheduler.block_size
+    kv = scheduler.kv_cache_manager
     for request_id, num_tokens in out.num_scheduled_tokens.items():
         request = scheduler.requests[request_id]
+        size = kv.tokens_per_block(request)
         blocks = kv.req_to_blocks[request_id]
         start = request.num_computed_tokens
         for index in range(start // size, (start + num_tokens - 1) // size + 1):
@@ -193,7 +207,7 @@ def traced_run(scheduler: Scheduler, requests: list[Request], aborts: list[int] 
     `requests` in arrival order) is done, aborting requests[t % n] at each t in `aborts`; every
     step checked (`step`), no leaks after. (Per step: t, its scheduled tokens, its preempted ids,
     the preemptions so far, `extra(scheduler)`; per request: id, status, output.)"""
-    runner, pending, trace, t = PagedFakeRunner(scheduler.block_size), list(requests), [], 0
+    runner, pending, trace, t = PagedFakeRunner.for_scheduler(scheduler), list(requests), [], 0
     while pending or scheduler.has_unfinished_requests():
         while pending and pending[0].arrival_time <= t:
             scheduler.add_request(pending.pop(0))
@@ -214,7 +228,7 @@ def virtual_steps(scheduler: Scheduler, arrivals: list[tuple[float, Request]],
     arrival time, each step is yielded (its output, the time it was scheduled at, the requests
     running before it was scheduled) before it is applied, and lasts `seconds(out)` (asked
     before the step's results advance the requests)."""
-    pending, runner, now = sorted(arrivals, key=lambda x: x[0]), PagedFakeRunner(scheduler.block_size), 0.0
+    pending, runner, now = sorted(arrivals, key=lambda x: x[0]), PagedFakeRunner.for_scheduler(scheduler), 0.0
     while pending or scheduler.has_unfinished_requests():
         while pending and pending[0][0] <= now:
             scheduler.add_request(pending.pop(0)[1])

@@ -234,8 +234,9 @@ class _PrefixMatcher:
             if (n == 0 or hashes[n - 1] in cached) and (n == most or hashes[n] not in cached):
                 return n, most
         _, num_tokens = self.kv.get_computed_blocks(request)
-        n = num_tokens // self.kv.block_size
-        most = (request.num_tokens - 1) // self.kv.block_size if self.kv.enable_caching else 0
+        bs = self.kv.tokens_per_block(request)
+        n = num_tokens // bs
+        most = (request.num_tokens - 1) // bs if self.kv.enable_caching else 0
         self._memo[request.request_id] = (request, request.num_preemptions, n, most)
         return n, most
 
@@ -276,7 +277,7 @@ class LengthAwareKey(OrderKey):
         self._reference = None
 
     def _uncached(self, request: Request) -> int:
-        return request.num_tokens - self.matcher.match(request)[0] * self.matcher.kv.block_size
+        return request.num_tokens - self.matcher.match(request)[0] * self.matcher.kv.tokens_per_block(request)
 
     def keys(self, requests: Sequence[Request]) -> list[int]:
         reference = self._reference

@@ -2,8 +2,15 @@
 host tier that swap preemption copies blocks to.
 
 Block keys are chained (core/block_hash.py): key(parent key, the block's token ids), with extra
-keys (the cache salt) folded into the first parent, so a block is only ever shared by requests
-whose whole prefix up to and including it is identical.
+keys (the cache salt, the KV dtype) folded into the first parent, so a block is only ever shared
+by requests whose whole prefix up to and including it is identical and stored alike.
+
+Int8 K/V (low-priority requests, `int8_min_priority`): such a request's blocks are the same
+device blocks, their bytes holding `int8_block_size` int8 tokens with their scales instead of
+`block_size` tokens of the model's dtype (model/attention.py). So memory is counted in blocks of
+one size in bytes, and an int8 request simply needs fewer of them for the same tokens. Its
+block keys start from another root, so an int8 block is never shared with a request that reads
+the model's dtype, and the other way round.
 """
 
 from __future__ import annotations
@@ -60,12 +67,30 @@ class PrefixCacheStats:
 
 SwapPairs = list[tuple[int, int]]  # (device block id, host block id)
 
+INT8_SCALE_BYTES = 4  # one float32 scale per token and KV head, for K and for V
+
+
+def int8_tokens_per_block(block_size: int, head_dim: int, element_size: int) -> int:
+    """Tokens an int8 block holds: as many (even, for the pair layout) as fit, with their
+    scales, in the bytes a block of `block_size` tokens of `element_size`-byte K/V takes."""
+    num = block_size * head_dim * element_size // (head_dim + INT8_SCALE_BYTES) // 2 * 2
+    if num < 2:
+        raise ValueError(f"a block of {block_size} tokens x {head_dim} x {element_size} bytes holds fewer than 2 "
+                         "int8 tokens with their scales; use a larger block_size")
+    return num
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  watermark_blocks: int = 0, hasher: Optional[BlockHasher] = None,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, int8_block_size: int = 0,
+                 int8_min_priority: Optional[int] = None) -> None:
+        if int8_min_priority is not None and int8_block_size < 2:
+            raise ValueError(f"int8 K/V for priority >= {int8_min_priority} needs the tokens an int8 block holds "
+                             f"(int8_block_size >= 2), got {int8_block_size}")
         self.block_size = block_size
+        self.int8_block_size = int8_block_size
+        self.int8_min_priority = int8_min_priority
         self.enable_caching = enable_caching
         self.watermark_blocks = watermark_blocks
         self.hasher = hasher or BlockHasher()
@@ -88,20 +113,30 @@ class KVCacheManager:
     def get_usage(self) -> float:
         return self.block_pool.get_usage()
 
+    def assign_kv_dtype(self, request: Request) -> None:
+        """Decide, once when the request is added, whether its K/V are stored in int8."""
+        request.kv_int8 = self.int8_min_priority is not None and request.priority >= self.int8_min_priority
+
+    def tokens_per_block(self, request: Request) -> int:
+        return self.int8_block_size if request.kv_int8 else self.block_size
+
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend `request.block_hashes` to cover the full blocks among its first num_tokens."""
         hashes = request.block_hashes
-        num_full = num_tokens // self.block_size
+        bs, hasher = self.tokens_per_block(request), self.hasher
+        num_full = num_tokens // bs
         if len(hashes) >= num_full:
             return
-        bs, hasher = self.block_size, self.hasher
         if hashes:
             parent = hashes[-1]
         else:
-            parent = hasher.root((("cache_salt", request.cache_salt),) if request.cache_salt else ())
+            extra = (("cache_salt", request.cache_salt),) if request.cache_salt else ()
+            if request.kv_int8:
+                extra += (("kv_dtype", "int8"),)
+            parent = hasher.root(extra)
         tokens = request.all_token_ids
         for i in range(len(hashes), num_full):
             parent = hasher.hash_block(parent, tokens[i * bs:(i + 1) * bs])
@@ -116,22 +151,23 @@ class KVCacheManager:
             return EMPTY_BLOCKS, 0
         # Never hit the last token: its forward pass is what produces the logits for the next
         # token, so at least one token must always be computed.
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        self._update_block_hashes(request, max_hit_blocks * self.block_size)
+        bs = self.tokens_per_block(request)
+        max_hit_blocks = (request.num_tokens - 1) // bs
+        self._update_block_hashes(request, max_hit_blocks * bs)
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
-        return KVCacheBlocks(tuple(hits)), len(hits) * self.block_size
+        return KVCacheBlocks(tuple(hits)), len(hits) * bs
 
     def _num_new_blocks(self, request: Request, num_new_tokens: int, new_computed: KVCacheBlocks,
                         num_new_computed_tokens: int) -> int:
         req_blocks = self.req_to_blocks.get(request.request_id)
         num_owned = len(req_blocks) if req_blocks is not None else 0
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_required = -(-num_total // self.block_size)
+        num_required = -(-num_total // self.tokens_per_block(request))
         return max(0, num_required - num_owned - new_computed.num_blocks)
 
     def can_allocate(self, request: Request, num_new_tokens: int, new_computed: KVCacheBlocks = EMPTY_BLOCKS,
@@ -185,7 +221,7 @@ class KVCacheManager:
         req_blocks = self.req_to_blocks.get(request.request_id)
         if (req_blocks is not None and not new_computed.blocks
                 and request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-                <= len(req_blocks) * self.block_size):
+                <= len(req_blocks) * (self.int8_block_size if request.kv_int8 else self.block_size)):
             # Most decode steps: the last block has room. Checked inline, before anything else
             # is looked up, as it runs for every running request of every step.
             return EMPTY_BLOCKS
@@ -214,7 +250,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = request.num_computed_tokens // self.tokens_per_block(request)
         start = self.num_cached_blocks.get(request.request_id, num_full)
         if num_full <= start:
             return
@@ -261,7 +297,7 @@ class KVCacheManager:
 
     def get_num_swap_blocks(self, request: Request) -> int:
         """Blocks a swap-out of `request` copies: those holding its computed tokens."""
-        return -(-request.num_computed_tokens // self.block_size)
+        return -(-request.num_computed_tokens // self.tokens_per_block(request))
 
     def get_num_shared_blocks(self, request: Request) -> int:
         """Blocks of `request` that another request also holds: they stay in the device cache
@@ -297,12 +333,13 @@ class KVCacheManager:
         runner must make before attention reads them; the host blocks are freed at once."""
         rid = request.request_id
         host_blocks = self.req_to_host_blocks[rid]
-        num_required = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        bs = self.tokens_per_block(request)
+        num_required = -(-(request.num_computed_tokens + num_new_tokens) // bs)
         hits: dict[int, KVBlock] = {}
         if self.enable_caching:
             # Only blocks it had computed whole: a partly computed last one (swapped out
             # mid-chunk) is written on, so it must be its own copy, never a shared cached block.
-            num_full = min(len(host_blocks), request.num_computed_tokens // self.block_size)
+            num_full = min(len(host_blocks), request.num_computed_tokens // bs)
             for i, block_hash in enumerate(request.block_hashes[:num_full]):
                 block = self.block_pool.get_cached_block(block_hash)
                 if block is not None:

@@ -46,7 +46,7 @@ class PreemptionChooser:
         return "swap" if self.swap_seconds(victim) < self.recompute_seconds(victim) else "recompute"
 
     def recompute_seconds(self, victim: Request) -> float:
-        num_hit = min(self.kv.get_num_shared_blocks(victim) * self.kv.block_size, victim.num_computed_tokens)
+        num_hit = min(self.kv.get_num_shared_blocks(victim) * self.kv.tokens_per_block(victim), victim.num_computed_tokens)
         return self.costs.prefill_seconds(victim.num_computed_tokens - num_hit, num_context=num_hit)
 
     def swap_seconds(self, victim: Request) -> float:

@@ -50,6 +50,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int  # prefix-cache hit: these tokens' K/V are already in the cache
     sampling_params: SamplingParams
+    kv_int8: bool = False  # its blocks hold int8 K/V (KVCacheManager.int8_block_size tokens each)
 
 
 @dataclass(slots=True)
@@ -181,7 +182,8 @@ class Scheduler:
             enable_caching=cache_config.enable_prefix_caching,
             watermark_blocks=cache_config.watermark_blocks,
             hasher=BlockHasher(cache_config.prefix_cache_hash_key),
-            num_host_blocks=cache_config.num_host_blocks)
+            num_host_blocks=cache_config.num_host_blocks, int8_block_size=cache_config.int8_block_size,
+            int8_min_priority=cache_config.int8_kv_min_priority)
         if cost_model is None and cache_config.preemption_mode == "auto":
             cost_model = load_cost_model(None)
         self.preemption = PreemptionChooser(cache_config.preemption_mode, self.kv_cache_manager,
@@ -250,6 +252,7 @@ class Scheduler:
             return
         request.status = RequestStatus.WAITING
         request.max_num_tokens = min(request.max_num_tokens, self.max_model_len)
+        self.kv_cache_manager.assign_kv_dtype(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -767,7 +770,7 @@ class Scheduler:
                     num_prompt_tokens=request.num_prompt_tokens,
                     block_ids=self.kv_cache_manager.get_block_ids(rid),
                     num_computed_tokens=request.num_computed_tokens,
-                    sampling_params=request.sampling_params))
+                    sampling_params=request.sampling_params, kv_int8=request.kv_int8))
             else:
                 add_cached(rid)
                 add_new_blocks(new_block_ids.get(rid, ()))

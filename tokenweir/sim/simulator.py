@@ -25,6 +25,7 @@ from typing import Optional
 from tokenweir.bench.serve_metrics import RequestRecord
 from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig
 from tokenweir.core.cost_model import StepCostModel, step_composition
+from tokenweir.core.kv_cache_manager import int8_tokens_per_block
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
 from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.request import Request, RequestStatus, SamplingParams, SchedulingHints, resolve_max_tokens
@@ -88,7 +89,7 @@ class _Tracking:
 
 
 def scheduler_configs(args: EngineArgs, model_max_len: int, kv_cache_bytes: int,
-                      kv_bytes_per_token: int) -> tuple[CacheConfig, SchedulerConfig]:
+                      kv_bytes_per_token: int, int8_block_size: int = 0) -> tuple[CacheConfig, SchedulerConfig]:
     """The configs the engine would build with these args on the profiled device: its KV pool
     is `kv_cache_memory` if given (else the pool the profile was taken with), in blocks, and
     its host tier `swap_space`."""
@@ -100,7 +101,22 @@ def scheduler_configs(args: EngineArgs, model_max_len: int, kv_cache_bytes: int,
     if num_blocks < 1:
         raise ValueError(f"the KV pool holds no block of {per_block} bytes")
     return args.create_engine_configs(model_max_len, num_blocks, num_host_blocks=args.num_host_blocks(per_block),
-                                      kv_block_bytes=per_block)
+                                      kv_block_bytes=per_block, int8_block_size=int8_block_size)
+
+
+def _int8_block_size(args: EngineArgs, meta: dict, kv_bytes_per_token: int) -> int:
+    """The tokens an int8 block holds on the profiled engine (0 without int8 K/V). The cost
+    model prices an int8 row's attention as a row of the model's dtype."""
+    if args.low_priority_kv_cache_dtype != "int8":
+        return 0
+    head_dim = meta.get("head_dim")
+    if not isinstance(head_dim, int) or head_dim < 1 or kv_bytes_per_token % head_dim:
+        raise ValueError("simulating low_priority_kv_cache_dtype 'int8' needs the profile's head_dim, which "
+                         "profiles taken before int8 K/V do not record; take one with `tokenweir profile`")
+    element_size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(meta.get("dtype"), 0)
+    if not element_size:
+        raise ValueError(f"the profile's dtype {meta.get('dtype')!r} is not one int8 K/V replaces")
+    return int8_tokens_per_block(args.block_size, head_dim, element_size)
 
 
 class Simulator:
@@ -121,7 +137,8 @@ class Simulator:
             raise ValueError("the cost profile's metadata lacks the model's max_model_len, "
                              "kv_cache_bytes, kv_bytes_per_block or block_size (positive integers); "
                              "take it with `tokenweir profile`") from None
-        cache_cfg, sched_cfg = scheduler_configs(args, model_max_len, kv_cache_bytes, per_token)
+        cache_cfg, sched_cfg = scheduler_configs(args, model_max_len, kv_cache_bytes, per_token,
+                                                 _int8_block_size(args, meta, per_token))
         # `auto` preemption decides by this very model, so a simulated choice is the engine's.
         return cls(Scheduler(sched_cfg, cache_cfg, cost_model=cost_model), cost_model, per_token * args.block_size,
                    timeseries_points, on_step)
