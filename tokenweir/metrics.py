@@ -167,6 +167,8 @@ class EngineMetrics:
         self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.num_requests_swapped = gauge("num_requests_swapped", "Requests swapped out to host memory.")
         self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV-cache usage; 1 means 100 percent.")
+        self.num_requests_running_kv_int8 = gauge(
+            "num_requests_running_kv_int8", "Running requests whose K/V are stored in int8 (low priority).")
         self.prefix_cache_queries = counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
@@ -228,6 +230,7 @@ class EngineMetrics:
         self.num_requests_waiting.set(stats.num_waiting)
         self.num_requests_swapped.set(stats.num_swapped)
         self.kv_cache_usage_perc.set(stats.kv_cache_usage)
+        self.num_requests_running_kv_int8.set(stats.num_running_kv_int8)
         self.cpu_cache_usage_perc.set(stats.swap_space_usage or 0.0)
         if stats.batch_limits is not None:
             self.batch_max_num_batched_tokens.set(stats.batch_limits.max_num_batched_tokens)

@@ -119,6 +119,7 @@ class SchedulerStats:
     # requests not running (waiting, preempted, swapped out), oldest first: so one starving in
     # the queue shows before its turn comes.
     longest_waiting: dict[str, dict[str, object]] = field(default_factory=dict)
+    num_running_kv_int8: int = 0  # running requests whose K/V are int8 (low priority)
 
 
 def _take_share(tally: StepTally, request: Request, num_scheduled: int, prefill_computed: Optional[int]) -> None:
@@ -360,7 +361,9 @@ class Scheduler:
                               swap_space_usage=kv.get_host_usage(),
                               batch_controller=self.batch_controller.name, batch_limits=self.step_limits,
                               batch_control=self.batch_controller.get_stats(),
-                              longest_waiting={} if now is None else self._explain_longest_waiting(now))
+                              longest_waiting={} if now is None else self._explain_longest_waiting(now),
+                              num_running_kv_int8=sum(r.kv_int8 for r in self.running)
+                              if kv.int8_min_priority is not None else 0)
 
     def least_remaining_work(self, request: Request) -> RemainingWork:
         """The least an unfinished request still needs before it can finish. Computed tokens: a

@@ -20,6 +20,7 @@ import torch
 from tokenweir.checks import is_integer
 from tokenweir.config import EngineArgs
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
+from tokenweir.core.kv_cache_manager import int8_tokens_per_block
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput, SchedulerStats
 from tokenweir.engine.cpu_allocator import keep_freed_memory
 from tokenweir.engine.output import OutputProcessor, OutputState, RequestOutput
@@ -80,10 +81,14 @@ class EngineCore:
         num_blocks = _num_kv_blocks(args, self.loaded)
         self.kv_bytes_per_block = per_block = kv_cache_bytes_per_block(arch, args.block_size, self.loaded.dtype)
         num_host_blocks = args.num_host_blocks(per_block)
+        int8_block_size = (int8_tokens_per_block(args.block_size, arch.head_dim, self.loaded.dtype.itemsize)
+                           if args.low_priority_kv_cache_dtype == "int8" else 0)
         self.cache_config, self.scheduler_config = args.create_engine_configs(
-            arch.max_model_len, num_blocks, num_host_blocks=num_host_blocks, kv_block_bytes=per_block)
+            arch.max_model_len, num_blocks, num_host_blocks=num_host_blocks, kv_block_bytes=per_block,
+            int8_block_size=int8_block_size)
         self.served_model_name = args.served_model_name or self.loaded.name
-        self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, args.seed, num_host_blocks)
+        self.runner = ModelRunner(self.loaded, num_blocks, args.block_size, args.seed, num_host_blocks,
+                                  int8_block_size=int8_block_size)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config, cost_model=self._cost_model())
         # The longest request (prompt + output): the scheduler's limit, which also counts the
         # KV pool and, without chunked prefill, the step budget. Everyone reads it from here.
@@ -103,6 +108,10 @@ class EngineCore:
         logger.info("KV cache: %d blocks of %d tokens = %d tokens; maximum concurrency for %d tokens "
                     "per request: %.2fx", num_blocks, args.block_size, num_tokens, self.max_model_len,
                     num_tokens / self.max_model_len)
+        if int8_block_size:
+            logger.info("int8 K/V for requests of priority >= %d: %d tokens per block (%d in %s)",
+                        self.cache_config.int8_kv_min_priority, int8_block_size, args.block_size,
+                        str(self.loaded.dtype).removeprefix("torch."))
 
     def describe(self) -> dict:
         """What a cost profile records about the engine it measured (and the simulator sizes its
@@ -117,6 +126,7 @@ class EngineCore:
                             else cpu_name()),
             "torch_threads": torch.get_num_threads(),
             "max_model_len": self.loaded.arch.max_model_len,
+            "head_dim": self.loaded.arch.head_dim,  # the tokens an int8 block holds depend on it
             "block_size": self.cache_config.block_size,
             "kv_bytes_per_block": self.kv_bytes_per_block,
             "kv_cache_bytes": self.cache_config.num_blocks * self.kv_bytes_per_block,

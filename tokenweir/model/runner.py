@@ -52,14 +52,16 @@ class _RequestState:
     # (grown by each sampled token at commit), and its logit_bias as tensors.
     history: Optional[TokenHistory] = None
     bias: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    kv_int8: bool = False  # its blocks hold int8 K/V
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, seed: int = 0,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, *, int8_block_size: int = 0) -> None:
         self.model = loaded.model
         self.device = loaded.device
         self.block_size = block_size
+        self.int8_block_size = int8_block_size  # tokens of an int8 request's block (0: none is)
         self.kv_caches = allocate_kv_caches(loaded.arch, num_blocks, block_size, loaded.dtype, loaded.device)
         self.host_kv_cache = HostKVCache(self.kv_caches, num_host_blocks) if num_host_blocks else None
         # The last step whose swap-out copies were made: a step run again after it raised must
@@ -93,7 +95,7 @@ class ModelRunner:
         return _RequestState(
             list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), params, generator,
             TokenHistory(new.token_ids, new.num_prompt_tokens, self.device) if params.penalized else None,
-            bias_tensors(params.logit_bias, self.device) if params.logit_bias else None)
+            bias_tensors(params.logit_bias, self.device) if params.logit_bias else None, new.kv_int8)
 
     def _swap(self, out: SchedulerOutput) -> None:
         if not (out.blocks_to_swap_out or out.blocks_to_swap_in):
@@ -143,8 +145,10 @@ class ModelRunner:
                 sample_ids.append(rid)
                 sample_rows.append(len(input_ids) - 1)
 
+        int8_rows = [states[rid].kv_int8 for rid in out.num_scheduled_tokens] if self.int8_block_size else None
         meta = AttentionMetadata.build(query_lens, seq_lens, [block_tables[rid] for rid in out.num_scheduled_tokens],
-                                       self.block_size, self.device)
+                                       self.block_size, self.device, int8_rows=int8_rows,
+                                       int8_block_size=self.int8_block_size)
         hidden = self.model(torch.tensor(input_ids, device=self.device),
                             torch.tensor(positions, device=self.device), meta, self.kv_caches)
         result = ModelRunnerOutput({})

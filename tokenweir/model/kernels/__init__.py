@@ -82,9 +82,12 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         logger.warning("building the C kernels failed (%s): using pure torch", detail.strip()[:500])
         return None
     lib.paged_attention.restype = ctypes.c_int
-    lib.paged_attention.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.paged_attention.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
+                                    + [ctypes.c_void_p, ctypes.c_int])
     lib.write_kv_cache.restype = None
     lib.write_kv_cache.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7
+    lib.write_kv_cache_int8.restype = None
+    lib.write_kv_cache_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 8
     lib.rms_norm_bf16.restype = None
     lib.rms_norm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
     lib.silu_and_mul_bf16.restype = None
@@ -102,8 +105,9 @@ def attention_kernel_available(device: torch.device, dtype: torch.dtype, head_di
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> None:
-    """Store k / v [T, kv_heads, d] (row-strided views allowed) at their slots (int64 [T]) of a
-    layer's cache [2, num_blocks, kv_heads, block_size * d] (layout: see attention.py)."""
+    """Store k / v [T, kv_heads, d] (row-strided views allowed) at their slots (int64 [T]; -1:
+    skip the token) of a layer's cache [2, num_blocks, kv_heads, block_size * d] (layout: see
+    attention.py)."""
     lib = _library()
     assert lib is not None and slot_mapping.dtype == torch.int64 and kv_cache.is_contiguous()
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -113,27 +117,45 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                        kv_cache.shape[3] // head_dim, k.element_size())
 
 
+def write_kv_cache_int8(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
+                        int8_block_size: int) -> None:
+    """As `write_kv_cache`, quantised to int8 with a scale per token and head, into int8 blocks of
+    `int8_block_size` tokens (slot = block * int8_block_size + offset; -1: skip the token)."""
+    lib = _library()
+    assert lib is not None and slot_mapping.dtype == torch.int64 and kv_cache.is_contiguous()
+    num_tokens, num_kv_heads, head_dim = k.shape
+    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
+    lib.write_kv_cache_int8(k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), kv_cache[0].data_ptr(),
+                            kv_cache[1].data_ptr(), num_tokens, k.stride(0), v.stride(0), num_kv_heads, head_dim,
+                            kv_cache.shape[3] // head_dim, int8_block_size, k.element_size())
+
+
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start_loc: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
+                    scale: float, int8_rows: Optional[torch.Tensor] = None, int8_block_size: int = 0) -> torch.Tensor:
     """Every request's queries over its paged context, causal within its own new tokens.
 
     q [T, H, d] (a row-strided view, e.g. of the fused qkv output, is fine); request i's queries
     are rows query_start_loc[i] .. + query_lens[i], the last tokens of a context of seq_lens[i]
     tokens whose K/V (theirs included) are in the layer's cache `kv_cache`. Index tensors int32,
-    block_tables [num_requests, max_blocks]. Returns [T, H, d].
+    block_tables [num_requests, max_blocks]. Requests with int8_rows[i] set (int32 [num_requests],
+    or None for none) keep their K/V as int8 in blocks of `int8_block_size` tokens, their table
+    indexing those. Returns [T, H, d].
     """
     lib = _library()
     assert lib is not None and kv_cache.is_contiguous()
     num_tokens, num_heads, head_dim = q.shape
     _, _, num_kv_heads, width = kv_cache.shape
     assert q.stride(2) == 1 and q.stride(1) == head_dim
+    assert int8_rows is None or (int8_rows.dtype == torch.int32 and int8_rows.shape == seq_lens.shape
+                                 and int8_block_size >= 2)
     out = q.new_empty(num_tokens, num_heads, head_dim)
     lib.paged_attention(
         q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
         query_start_loc.data_ptr(), query_lens.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
         seq_lens.shape[0], num_heads, num_kv_heads, head_dim, width // head_dim, block_tables.shape[1],
-        q.stride(0), num_heads * head_dim, scale, _DTYPES[q.dtype])
+        q.stride(0), num_heads * head_dim, scale, _DTYPES[q.dtype],
+        int8_rows.data_ptr() if int8_rows is not None else None, int8_block_size)
     return out
 
 

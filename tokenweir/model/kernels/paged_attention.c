@@ -16,12 +16,20 @@
  * A work item is (request, kv head, up to QROWS query tokens); its query rows are those tokens
  * times the query heads sharing the kv head (GQA), row r = token * group + member.
  *
+ * Int8 rows (int8_rows[c] set): the request's K/V lie in the same regions as int8 with a float32
+ * scale per token (attention.py): a block holds ibs = int8_block_size tokens, key component pair
+ * i of block offset o at byte i * 2 ibs + 2 o, value component d of offset o at byte
+ * o / 2 * 2D + 2d + o % 2, the scales at float ibs * D + o of the K and of the V region. Their
+ * tiles end at block ends (ibs is rarely a multiple of TILE), so that every tile is one run of
+ * bytes per component pair, and are widened times their scales into the float tiles.
+ *
  *   q, out        rows of the flattened batch: token t's head h starts at t * row_stride + h * D
  *   q_starts      int32 [n]: first row of each request's query tokens
  *   q_lens        int32 [n]: its query tokens this step (the last q_len of its context)
  *   seq_lens      int32 [n]: context length including them (their K/V already in the cache)
  *   block_tables  int32 [n, max_blocks]
  *   k/v cache     [num_blocks, num_kv_heads, block_size * D] in the layout above
+ *   int8_rows     int32 [n] or NULL (no int8 row)
  * dtype: 0 = float32, 1 = bfloat16. D must be a multiple of 16.
  */
 #include <math.h>
@@ -110,6 +118,8 @@ typedef struct {
     void *out;
     int num_heads, num_kv_heads, block_size, max_blocks, q_row_stride, out_row_stride, dtype;
     float scale;
+    const int32_t *int8_rows; /* NULL: no int8 row */
+    int int8_block_size;
 } Job;
 
 /* Buffers of one thread, 64-byte aligned for the vector loads. */
@@ -224,14 +234,71 @@ static inline TilePairs tile_pairs(const Job *j, const int32_t *table, int kvh, 
 /* Ask for the K/V of keys t_begin .. t_end - 1 ahead of use: whole (block, kv head) regions,
  * each once, when its block starts in the range. A request's blocks lie anywhere in the pool,
  * and without this the kernel waited on memory for about half its time. */
-static inline void prefetch_keys(const Job *j, const int32_t *table, int kvh, int t_begin, int t_end, int D) {
-    const int bs = j->block_size;
-    const size_t elem = j->dtype == 1 ? 2 : 4, bytes = (size_t)bs * D * elem;
+static inline void prefetch_keys(const Job *j, const int32_t *table, int kvh, int t_begin, int t_end, int D,
+                                 int bs) {
+    /* bs: keys per block of the row's format. A region is block_size * D elements either way. */
+    const size_t elem = j->dtype == 1 ? 2 : 4, bytes = (size_t)j->block_size * D * elem;
     for (int t = (t_begin + bs - 1) / bs * bs; t < t_end; t += bs) {
-        const size_t head = head_offset(j, table, kvh, t, D) * elem;
+        const size_t head = ((size_t)table[t / bs] * j->num_kv_heads + kvh) * bytes;
         for (size_t b = 0; b < bytes; b += 64) {
             __builtin_prefetch((const char *)j->k_cache + head + b);
             __builtin_prefetch((const char *)j->v_cache + head + b);
+        }
+    }
+}
+
+typedef int16_t vs16 __attribute__((vector_size(32)));
+typedef uint32_t vu32 __attribute__((vector_size(64)));
+
+/* 16 int16 lanes read as pairs of int8 (little endian: the first byte is the low one), each
+ * sign-extended and widened to float. */
+static inline __attribute__((always_inline)) void widen_int8_pairs(const int8_t *src, vf16 *first, vf16 *second) {
+    vs16 h;
+    memcpy(&h, src, sizeof(h));
+    const vi16 w = __builtin_convertvector(h, vi16);
+    *first = __builtin_convertvector((vi16)((vu32)w << 24) >> 24, vf16);
+    *second = __builtin_convertvector(w >> 8, vf16);
+}
+
+/* Widen an int8 row's keys and values t0 .. t0 + nt - 1, all in one block, times their scales
+ * into w->kt and w->vt (rows < nt; lanes past nt come out 0: their scale is 0). */
+static inline __attribute__((always_inline)) void load_int8_tile(const Job *j, const int32_t *table, int kvh, int t0,
+                                                               int nt, const int D, const Scratch *w) {
+    const int ibs = j->int8_block_size, off = t0 % ibs, NV = D / 16;
+    const size_t region = ((size_t)table[t0 / ibs] * j->num_kv_heads + kvh) * (size_t)j->block_size * D *
+                          (j->dtype == 1 ? 2 : 4);
+    const int8_t *k = (const int8_t *)j->k_cache + region, *v = (const int8_t *)j->v_cache + region;
+    float ks[TILE] = {0}, vs[TILE] = {0};
+    for (int o = 0; o < nt; o++) { /* (memcpy: no alignment assumed of the cache's bytes) */
+        memcpy(ks + o, k + (size_t)ibs * D + 4 * (size_t)(off + o), sizeof(float));
+        memcpy(vs + o, v + (size_t)ibs * D + 4 * (size_t)(off + o), sizeof(float));
+    }
+    if (ibs >= 8) {
+        /* One 32-byte load per component pair: TILE keys from offset `off`. Past the tile's last
+         * key it reads at most 30 bytes more, which past the last pair's row fall in the 4 ibs
+         * bytes of scales: inside the region. */
+        vf16 scale;
+        memcpy(&scale, ks, sizeof(scale));
+        for (int i = 0; i < D / 2; i++) {
+            vf16 even, odd;
+            widen_int8_pairs(k + (size_t)i * 2 * ibs + 2 * (size_t)off, &even, &odd);
+            w->kt[2 * i] = even * scale;
+            w->kt[2 * i + 1] = odd * scale;
+        }
+    } else { /* tiny blocks: key by key */
+        float *kt = (float *)w->kt;
+        for (int o = 0; o < TILE; o++)
+            for (int d = 0; d < D; d++)
+                kt[d * TILE + o] = o < nt ? k[(size_t)(d / 2) * 2 * ibs + 2 * (size_t)(off + o) + d % 2] * ks[o] : 0.f;
+    }
+    /* Values by key pair (off is even, and so is ibs: a pair never straddles blocks). */
+    for (int m = 0; 2 * m < nt; m++) {
+        const int8_t *pair = v + (size_t)(off / 2 + m) * 2 * D;
+        for (int c = 0; c < NV; c++) {
+            vf16 first, second;
+            widen_int8_pairs(pair + 32 * c, &first, &second);
+            w->vt[(2 * m) * NV + c] = first * vs[2 * m];
+            w->vt[(2 * m + 1) * NV + c] = second * vs[2 * m + 1];
         }
     }
 }
@@ -341,7 +408,9 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
     const int pos0 = slen - qlen + i0; /* position of the item's first query token */
     const int rows = nq * G;
     const int32_t *table = j->block_tables + (size_t)c * j->max_blocks;
-    const int bf16_dot = HAVE_BF16_DOT && j->dtype == 1;
+    const int int8 = j->int8_rows != NULL && j->int8_rows[c];
+    const int bs = int8 ? j->int8_block_size : j->block_size; /* keys per block of the row */
+    const int bf16_dot = HAVE_BF16_DOT && j->dtype == 1 && !int8;
     const vf16 zero = {0};
 
     for (int i = 0; i < nq; i++)
@@ -360,14 +429,18 @@ static inline __attribute__((always_inline)) void attend_item(const Job *j, int 
     for (int k = 0; k < rows * NV; k++) w->acc[k] = zero;
 
     const int num_keys = pos0 + nq; /* the last token sees keys 0 .. pos0 + nq - 1 */
-    prefetch_keys(j, table, kvh, 0, num_keys < PREFETCH_AHEAD ? num_keys : PREFETCH_AHEAD, D);
-    for (int t0 = 0; t0 < num_keys; t0 += TILE) {
-        const int nt = num_keys - t0 < TILE ? num_keys - t0 : TILE;
+    prefetch_keys(j, table, kvh, 0, num_keys < PREFETCH_AHEAD ? num_keys : PREFETCH_AHEAD, D, bs);
+    for (int t0 = 0, span; t0 < num_keys; t0 += span) {
+        /* An int8 row's tiles stop at its block ends. */
+        span = int8 && bs - t0 % bs < TILE ? bs - t0 % bs : TILE;
+        const int nt = num_keys - t0 < span ? num_keys - t0 : span;
         if (t0 + PREFETCH_AHEAD < num_keys)
             prefetch_keys(j, table, kvh, t0 + PREFETCH_AHEAD,
-                          num_keys < t0 + PREFETCH_AHEAD + TILE ? num_keys : t0 + PREFETCH_AHEAD + TILE, D);
+                          num_keys < t0 + PREFETCH_AHEAD + span ? num_keys : t0 + PREFETCH_AHEAD + span, D, bs);
         TilePairs pairs = {NULL, NULL, 0, 0};
-        if (bf16_dot) {
+        if (int8) {
+            load_int8_tile(j, table, kvh, t0, nt, D, w);
+        } else if (bf16_dot) {
             pairs = tile_pairs(j, table, kvh, t0, nt, D, w);
         } else {
             load_keys(j, table, kvh, t0, nt, D, w);
@@ -402,7 +475,8 @@ static void *aligned_buffer(size_t bytes) { return aligned_alloc(64, (bytes + 63
 int paged_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                     const int32_t *q_starts, const int32_t *q_lens, const int32_t *seq_lens, void *out,
                     int num_requests, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                    int q_row_stride, int out_row_stride, float scale, int dtype) {
+                    int q_row_stride, int out_row_stride, float scale, int dtype, const int32_t *int8_rows,
+                    int int8_block_size) {
     const int G = num_heads / num_kv_heads, D = head_dim;
     if (D % 16 != 0) return -1;
     /* Work items enumerated through a prefix sum over requests. */
@@ -412,7 +486,8 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, con
         first_item[c + 1] = first_item[c] + num_kv_heads * ((q_lens[c] + QROWS - 1) / QROWS);
     const int items = first_item[num_requests];
     const Job job = {q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens, out, num_heads, num_kv_heads,
-                     block_size, max_blocks, q_row_stride, out_row_stride, dtype, scale};
+                     block_size, max_blocks, q_row_stride, out_row_stride, dtype, scale, int8_rows,
+                     int8_block_size};
     /* OpenMP resolves to the libgomp torch already loaded (same soname), so this loop runs on
      * torch's own worker threads: a second thread pool would fight torch's spinning workers
      * for the cores. */
@@ -445,7 +520,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, con
 }
 
 /* Store this step's K/V rows at their slots: k, v rows [T] of num_kv_heads * D (row strides
- * given), slot_mapping int64 [T]. */
+ * given), slot_mapping int64 [T]; a slot < 0 (an int8 row's token) is skipped. */
 /* One token's K and V rows for one kv head into their slot `off` of a (block, head) region:
  * components d, d + 1 of the key side by side, bs pairs apart; component d of the value beside
  * that of its pair key. Typed on the element so that the strided stores stay plain moves. */
@@ -467,12 +542,69 @@ void write_kv_cache(const void *k, const void *v, const int64_t *slot_mapping, v
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < num_tokens; t++) {
         const int64_t slot = slot_mapping[t], block = slot / bs, off = slot % bs;
+        if (slot < 0) continue;
         for (int h = 0; h < num_kv_heads; h++) {
             const size_t head = ((size_t)block * num_kv_heads + h) * (size_t)bs * D;
             const char *ks = (const char *)k + ((size_t)t * k_row_stride + (size_t)h * D) * elem_size;
             const char *vs = (const char *)v + ((size_t)t * v_row_stride + (size_t)h * D) * elem_size;
             if (elem_size == 2) STORE_SLOT(uint16_t);
             else STORE_SLOT(float);
+        }
+    }
+}
+
+/* Symmetric int8 of one row of D values: returns scale = max|x| / 127 and stores q = x / scale
+ * rounded to nearest (ties to even), in [-127, 127]; an all-zero row gets scale 0 and zeros. Both
+ * quotients are the IEEE ones, as torch computes them. */
+static inline float quantize_row(const float *x, int D, int8_t *q) {
+    float amax = 0.f;
+    for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    /* In double: -ffast-math turns amax / 127.f into a product with a rounded 1 / 127, off by an
+     * ulp now and then; the double product rounds to the exact float quotient (a / 127 never
+     * lies within 2^-32 of a float midpoint). */
+    const float scale = (float)((double)amax * (1.0 / 127.0));
+    if (!(scale > 0.f)) {
+        for (int d = 0; d < D; d++) q[d] = 0;
+        return 0.f;
+    }
+    for (int d = 0; d < D; d++) {
+        /* The divisor opaque to the compiler, element by element, so that it divides: under
+         * -ffast-math it would multiply by a (vector-approximated) reciprocal instead, and round
+         * some quotients the other way (exact ties above all, frequent for bf16 inputs). */
+        float divisor = scale;
+        __asm__("" : "+m"(divisor));
+        float r = __builtin_rintf(x[d] / divisor);
+        r = r > 127.f ? 127.f : r < -127.f ? -127.f : r;
+        q[d] = (int8_t)r;
+    }
+    return scale;
+}
+
+/* Store int8 rows' K/V: as write_kv_cache, but each token's head quantised (quantize_row) into
+ * its slot of a block of int8_block_size tokens (layout at the top; slot = block * ibs + offset),
+ * its scale beside. Slots < 0 (model-dtype rows' tokens) are skipped. */
+void write_kv_cache_int8(const void *k, const void *v, const int64_t *slot_mapping, void *k_cache, void *v_cache,
+                         int num_tokens, int k_row_stride, int v_row_stride, int num_kv_heads, int head_dim,
+                         int block_size, int int8_block_size, int elem_size) {
+    const int D = head_dim, ibs = int8_block_size, dtype = elem_size == 2;
+    const size_t region = (size_t)block_size * D * elem_size;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < num_tokens; t++) {
+        const int64_t slot = slot_mapping[t], block = slot / ibs, off = slot % ibs;
+        if (slot < 0) continue;
+        float x[D];
+        int8_t qv[D];
+        for (int h = 0; h < num_kv_heads; h++) {
+            const size_t head = ((size_t)block * num_kv_heads + h) * region;
+            int8_t *kc = (int8_t *)k_cache + head, *vc = (int8_t *)v_cache + head;
+            load_floats(k, (size_t)t * k_row_stride + (size_t)h * D, D, dtype, x);
+            float scale = quantize_row(x, D, qv);
+            for (int d = 0; d < D; d++) kc[(size_t)(d / 2) * 2 * ibs + 2 * (size_t)off + d % 2] = qv[d];
+            memcpy(kc + (size_t)ibs * D + 4 * (size_t)off, &scale, sizeof(scale));
+            load_floats(v, (size_t)t * v_row_stride + (size_t)h * D, D, dtype, x);
+            scale = quantize_row(x, D, qv);
+            for (int d = 0; d < D; d++) vc[(size_t)(off / 2) * 2 * D + 2 * (size_t)d + off % 2] = qv[d];
+            memcpy(vc + (size_t)ibs * D + 4 * (size_t)off, &scale, sizeof(scale));
         }
     }
 }

@@ -1,0 +1,217 @@
+"""Int8 K/V for low-priority requests (`--low-priority-kv-cache-dtype int8`) on the default model.
+
+Three measurements, each side by side in one process (the same loaded weights, two engines):
+
+1. Accuracy. Greedy continuations of chat prompts (short questions, and questions over a
+   ~1,500-token document from this repository's docs) with every request int8 against the
+   model's dtype: how many continuations are identical, how many tokens agree before the first
+   difference, and the largest change of the sampled token's logprob while they agree (the
+   contexts are then the same, so the two logprobs are of one token in one context).
+2. Capacity. A fixed KV pool and 16 requests of ~400 + 128 tokens, half of them low priority:
+   preemptions, the most requests running at once, total time and the high-priority requests'
+   mean latency, with and without int8 for the low-priority half (rounds alternate the order).
+3. The attention kernel alone: one layer's decode attention over 32 rows x 1,024 context tokens
+   (SmolLM2's 9 query / 3 KV heads of 64), all rows bf16 against all rows int8.
+
+Writes docs/benchmarks/kv_int8.md and .json.
+
+    .venv/bin/python benchmarks/kv_int8.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tokenweir import SamplingParams
+from tokenweir.config import EngineArgs
+from tokenweir.engine.core import EngineCore
+from tokenweir.machine import cpu_name
+from tokenweir.model.attention import (AttentionMetadata, allocate_kv_caches, int8_block_size, paged_attention,
+                                       write_kv)
+from tokenweir.model.loader import load_model
+from tokenweir.request import SchedulingHints
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "benchmarks"
+QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis in two sentences.",
+    "Write a haiku about the sea.", "How do I reverse a list in Python?",
+    "What causes the seasons on Earth?", "Give three tips for a job interview.",
+    "What is the difference between weather and climate?", "Summarize the plot of Romeo and Juliet.",
+    "Why is the sky blue?", "List five fruits that are high in vitamin C.",
+    "What does a CPU cache do?", "How many legs does a spider have, and why?",
+    "Translate 'good morning' into Spanish and French.", "What is a prime number? Give examples.",
+    "Describe how a bicycle works.", "What should I pack for a weekend hiking trip?",
+]
+DOC_QUESTIONS = ["What is this document about?", "Which parts does the text name?",
+                 "Summarize the text in three sentences.", "What problem does the design solve?"]
+
+
+def chat(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         tokenize=True)
+
+
+def run(engine: EngineCore, prompts: list[list[int]], params: SamplingParams, priorities: list[int]) -> dict:
+    start = time.perf_counter()
+    for i, (prompt, priority) in enumerate(zip(prompts, priorities)):
+        engine.add_request(f"r{i}", prompt, params, SchedulingHints(priority=priority))
+    outputs, finished_at, most_running = {}, {}, 0
+    while engine.has_unfinished_requests():
+        result = engine.step()
+        most_running = max(most_running, len(engine.scheduler.running))
+        for out in result.outputs:
+            if out.finished:
+                outputs[out.request_id] = out.outputs[0]
+                finished_at[out.request_id] = time.perf_counter() - start
+    elapsed = time.perf_counter() - start
+    ids = [f"r{i}" for i in range(len(prompts))]
+    return {"outputs": [outputs[r] for r in ids], "finished_at": [finished_at[r] for r in ids],
+            "seconds": elapsed, "most_running": most_running,
+            "preemptions": engine.get_stats().num_preemptions}
+
+
+def agreement(plain, int8) -> dict:
+    same = 0
+    while same < min(len(plain.token_ids), len(int8.token_ids)) and plain.token_ids[same] == int8.token_ids[same]:
+        same += 1
+    deltas = [abs(plain.logprobs[i][plain.token_ids[i]] - int8.logprobs[i][int8.token_ids[i]]) for i in range(same)]
+    return {"identical": plain.token_ids == int8.token_ids, "agreeing_tokens": same,
+            "tokens": len(plain.token_ids), "max_logprob_delta": max(deltas, default=0.0),
+            "mean_logprob_delta": statistics.fmean(deltas) if deltas else 0.0}
+
+
+def accuracy(loaded, max_tokens: int) -> dict:
+    tokenizer = loaded.tokenizer
+    document = (ROOT / "docs" / "architecture.md").read_text()[:6000]
+    sets = {"short questions": [chat(tokenizer, q) for q in QUESTIONS],
+            "questions over a document": [chat(tokenizer, f"{document}\n\n{q}") for q in DOC_QUESTIONS]}
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0, ignore_eos=True)
+    plain = EngineCore(EngineArgs(kv_cache_memory="256MiB"), loaded)
+    int8 = EngineCore(EngineArgs(kv_cache_memory="256MiB", low_priority_kv_cache_dtype="int8"), loaded)
+    results = {}
+    for name, prompts in sets.items():
+        a = run(plain, prompts, params, [0] * len(prompts))
+        b = run(int8, prompts, params, [1] * len(prompts))
+        rows = [agreement(x, y) for x, y in zip(a["outputs"], b["outputs"])]
+        results[name] = {
+            "prompts": len(prompts), "mean_prompt_tokens": round(statistics.fmean(map(len, prompts))),
+            "identical": sum(r["identical"] for r in rows),
+            "mean_agreeing_tokens": round(statistics.fmean(r["agreeing_tokens"] for r in rows), 1),
+            "min_agreeing_tokens": min(r["agreeing_tokens"] for r in rows),
+            "max_logprob_delta": round(max(r["max_logprob_delta"] for r in rows), 4),
+            "mean_logprob_delta": round(statistics.fmean(r["mean_logprob_delta"] for r in rows), 5),
+            "tokens": max_tokens}
+        print(name, results[name], flush=True)
+    return results
+
+
+def capacity(loaded, rounds: int, num_blocks: int) -> dict:
+    words = (ROOT / "docs" / "architecture.md").read_text().split()
+    prompts = [loaded.tokenizer.encode(" ".join(words[200 * i: 200 * i + 300]))[:400] for i in range(16)]
+    priorities = [i % 2 for i in range(16)]
+    params = SamplingParams(max_tokens=128, min_tokens=128, temperature=0.0)
+    configs = {"model dtype for all": {}, "int8 for priority >= 1": {"low_priority_kv_cache_dtype": "int8"}}
+    by_config: dict[str, list[dict]] = {name: [] for name in configs}
+    for r in range(rounds):
+        order = list(configs) if r % 2 == 0 else list(reversed(configs))
+        for name in order:
+            engine = EngineCore(EngineArgs(num_gpu_blocks_override=num_blocks, **configs[name]), loaded)
+            result = run(engine, prompts, params, priorities)
+            high = [t for t, p in zip(result["finished_at"], priorities) if p == 0]
+            by_config[name].append({"seconds": round(result["seconds"], 2), "preemptions": result["preemptions"],
+                                    "most_running": result["most_running"],
+                                    "high_priority_mean_latency_s": round(statistics.fmean(high), 2)})
+            print(r, name, by_config[name][-1], flush=True)
+    return {"num_blocks": num_blocks, "block_size": 16, "requests": 16,
+            "mean_prompt_tokens": round(statistics.fmean(map(len, prompts))), "output_tokens": 128,
+            "rounds": by_config}
+
+
+def kernel(repeats: int) -> dict:
+    rows, context, heads, kv_heads, head_dim, block_size = 32, 1024, 9, 3, 64, 16
+    ibs = int8_block_size(block_size, head_dim, torch.bfloat16)
+    blocks_plain, blocks_int8 = -(-context // block_size), -(-context // ibs)
+    cache = allocate_kv_caches(_Arch(kv_heads, head_dim), rows * blocks_plain, block_size, torch.bfloat16, "cpu")[0]
+    torch.manual_seed(0)
+    results = {}
+    for name, int8, per_row in (("bf16", False, blocks_plain), ("int8", True, blocks_int8)):
+        tables = [list(range(r * per_row, (r + 1) * per_row)) for r in range(rows)]
+        # Fill the context: one prefill-sized write per row through the same path as the engine.
+        fill = AttentionMetadata.build([context] * rows, [context] * rows, tables, block_size,
+                                       int8_rows=[int8] * rows, int8_block_size=ibs)
+        k = torch.randn(rows * context, kv_heads, head_dim).to(torch.bfloat16)
+        write_kv(cache, k, torch.randn_like(k), fill.int8_slot_mapping if int8 else fill.slot_mapping)
+        meta = AttentionMetadata.build([1] * rows, [context] * rows, tables, block_size,
+                                       int8_rows=[int8] * rows, int8_block_size=ibs)
+        q = torch.randn(rows, heads, head_dim).to(torch.bfloat16)
+        kv = torch.randn(rows, kv_heads, head_dim).to(torch.bfloat16)
+        best = float("inf")
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            paged_attention(q, kv, kv, cache, meta)
+            best = min(best, time.perf_counter() - start)
+        results[name] = round(1000 * best, 3)
+        print("kernel", name, results[name], "ms", flush=True)
+    return {"rows": rows, "context": context, "ms": results, "int8_block_size": ibs}
+
+
+class _Arch:
+    """The slice of ModelArchConfig that allocate_kv_caches reads: one layer."""
+
+    def __init__(self, kv_heads: int, head_dim: int) -> None:
+        self.num_key_value_heads, self.head_dim, self.num_hidden_layers = kv_heads, head_dim, 1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--num-blocks", type=int, default=160)
+    parser.add_argument("--repeats", type=int, default=20)
+    ns = parser.parse_args()
+    loaded = load_model(None, "auto", "auto")
+    measured_at = time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())
+    data = {"machine": f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+            "measured_at": measured_at, "model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
+            "command": "python benchmarks/kv_int8.py", "kernel": kernel(ns.repeats),
+            "accuracy": accuracy(loaded, ns.max_tokens), "capacity": capacity(loaded, ns.rounds, ns.num_blocks)}
+    (OUT / "kv_int8.json").write_text(json.dumps(data, indent=2) + "\n")
+    (OUT / "kv_int8.md").write_text(report(data))
+
+
+def report(data: dict) -> str:
+    k, cap = data["kernel"], data["capacity"]
+    lines = ["# Int8 K/V for low-priority requests", "",
+             f"`{data['command']}` on {data['model']} ({data['dtype']}). Machine: {data['machine']} (shared: "
+             f"single runs carry noise), {data['measured_at']}. Data: [kv_int8.json](kv_int8.json).", "",
+             "## Accuracy (greedy, every request int8 against every request in the model's dtype)", "",
+             "| prompts | n | mean prompt tokens | identical continuations | mean tokens agreeing | fewest | "
+             "largest logprob change while agreeing | mean |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in data["accuracy"].items():
+        lines.append(f"| {name} | {r['prompts']} | {r['mean_prompt_tokens']} | {r['identical']} / {r['prompts']} | "
+                     f"{r['mean_agreeing_tokens']} of {r['tokens']} | {r['min_agreeing_tokens']} | "
+                     f"{r['max_logprob_delta']} | {r['mean_logprob_delta']} |")
+    lines += ["", f"## Capacity ({cap['requests']} requests of ~{cap['mean_prompt_tokens']} + {cap['output_tokens']} "
+              f"tokens, half priority 1, a pool of {cap['num_blocks']} blocks of {cap['block_size']})", "",
+              "| configuration | round | seconds | preemptions | most running | high-priority mean latency (s) |",
+              "|---|---|---|---|---|---|"]
+    for name, rounds in cap["rounds"].items():
+        for i, r in enumerate(rounds):
+            lines.append(f"| {name} | {i + 1} | {r['seconds']} | {r['preemptions']} | {r['most_running']} | "
+                         f"{r['high_priority_mean_latency_s']} |")
+    lines += ["", f"## Attention kernel (one layer, {k['rows']} decode rows x {k['context']} context tokens)", "",
+              f"bf16 rows: {k['ms']['bf16']} ms; int8 rows: {k['ms']['int8']} ms (ratio "
+              f"{k['ms']['int8'] / k['ms']['bf16']:.2f}); an int8 block holds {k['int8_block_size']} tokens "
+              "where a bf16 block holds 16."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
