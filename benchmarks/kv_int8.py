@@ -12,6 +12,8 @@ Three measurements, each side by side in one process (the same loaded weights, t
    mean latency, with and without int8 for the low-priority half (rounds alternate the order).
 3. The attention kernel alone: one layer's decode attention over 32 rows x 1,024 context tokens
    (SmolLM2's 9 query / 3 KV heads of 64), all rows bf16 against all rows int8.
+4. The scheduler's CPU per step (benchmarks/scheduler_overhead.py's churn case: 256 running,
+   10,000 waiting, requests finishing and admitted every step) without and with int8 for half.
 
 Writes docs/benchmarks/kv_int8.md and .json.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -36,6 +39,9 @@ from tokenweir.model.attention import (AttentionMetadata, allocate_kv_caches, in
                                        write_kv)
 from tokenweir.model.loader import load_model
 from tokenweir.request import SchedulingHints
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scheduler benchmark's churn case
+from scheduler_overhead import measure_churn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
@@ -147,7 +153,8 @@ def kernel(repeats: int) -> dict:
         fill = AttentionMetadata.build([context] * rows, [context] * rows, tables, block_size,
                                        int8_rows=[int8] * rows, int8_block_size=ibs)
         k = torch.randn(rows * context, kv_heads, head_dim).to(torch.bfloat16)
-        write_kv(cache, k, torch.randn_like(k), fill.int8_slot_mapping if int8 else fill.slot_mapping)
+        write_kv(cache, k, torch.randn_like(k), fill.slot_mapping, int8_slot_mapping=fill.int8_slot_mapping,
+                 int8_block_size=ibs)
         meta = AttentionMetadata.build([1] * rows, [context] * rows, tables, block_size,
                                        int8_rows=[int8] * rows, int8_block_size=ibs)
         q = torch.randn(rows, heads, head_dim).to(torch.bfloat16)
@@ -160,6 +167,15 @@ def kernel(repeats: int) -> dict:
         results[name] = round(1000 * best, 3)
         print("kernel", name, results[name], "ms", flush=True)
     return {"rows": rows, "context": context, "ms": results, "int8_block_size": ibs}
+
+
+def scheduler(rounds: int, steps: int) -> dict:
+    times: dict[str, list[float]] = {"model dtype for all": [], "int8 for half": []}
+    for _ in range(rounds):
+        for name, int8 in (("model dtype for all", False), ("int8 for half", True)):
+            times[name].append(measure_churn(256, 10_000, steps, int8_kv=int8)["cpu_ms_per_step"])
+            print("scheduler", name, times[name][-1], "ms", flush=True)
+    return {"running": 256, "waiting": 10_000, "steps": steps, "cpu_ms_per_step": times}
 
 
 class _Arch:
@@ -181,6 +197,7 @@ def main() -> None:
     data = {"machine": f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads",
             "measured_at": measured_at, "model": loaded.name, "dtype": str(loaded.dtype).removeprefix("torch."),
             "command": "python benchmarks/kv_int8.py", "kernel": kernel(ns.repeats),
+            "scheduler": scheduler(3, 1000),
             "accuracy": accuracy(loaded, ns.max_tokens), "capacity": capacity(loaded, ns.rounds, ns.num_blocks)}
     (OUT / "kv_int8.json").write_text(json.dumps(data, indent=2) + "\n")
     (OUT / "kv_int8.md").write_text(report(data))
@@ -210,6 +227,11 @@ def report(data: dict) -> str:
               f"bf16 rows: {k['ms']['bf16']} ms; int8 rows: {k['ms']['int8']} ms (ratio "
               f"{k['ms']['int8'] / k['ms']['bf16']:.2f}); an int8 block holds {k['int8_block_size']} tokens "
               "where a bf16 block holds 16."]
+    sched = data["scheduler"]
+    lines += ["", f"## Scheduler CPU per step ({sched['running']} running + {sched['waiting']:,} waiting, churn, "
+              f"{sched['steps']} steps, rounds interleaved)", ""]
+    for name, times in sched["cpu_ms_per_step"].items():
+        lines.append(f"- {name}: median {statistics.median(times):.3f} ms ({' / '.join(f'{t:.3f}' for t in times)})")
     return "\n".join(lines) + "\n"
 
 

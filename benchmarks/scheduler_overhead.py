@@ -261,10 +261,12 @@ def churn_request(i: int, hints: SchedulingHints, arrival_time: float) -> Reques
 def measure_churn(num_running: int, num_waiting: int, steps: int,
                   composition: CompositionConfig = CompositionConfig(), policy: str = "fcfs",
                   policy_config=None, hints_of: Callable[[int], SchedulingHints] = mixed_hints,
-                  options: Optional[dict] = None) -> dict:
+                  options: Optional[dict] = None, int8_kv: bool = False) -> dict:
     """256 running and 10,000 waiting, requests finishing and admitted every step (each one
     replaced by a new arrival outside the timed calls): the admission order chooses every step.
-    `options`: more SchedulerConfig fields (SLO_BATCH, PARTIAL_PREFILLS).
+    `options`: more SchedulerConfig fields (SLO_BATCH, PARTIAL_PREFILLS). `int8_kv`: int8 K/V for
+    priority >= 1, and under fcfs every other request has priority 1 (bf16 blocks of 16 at
+    head_dim 64: 30 int8 tokens per block, the engine's figure for the default model).
     Under a policy other than fcfs every request has the policy cases' hints (mixed_hints), and
     the replacements arrive at the step's time, so their SLOs fall due while they wait."""
     block_size = 16
@@ -272,12 +274,14 @@ def measure_churn(num_running: int, num_waiting: int, steps: int,
     sched = Scheduler(
         SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=num_running, composition=composition,
                         policy=policy, policy_config=policy_config, **(options or {})),
-        CacheConfig(block_size=block_size, num_blocks=num_running * per_req + 8 * CHURN_PREFIXES))
+        CacheConfig(block_size=block_size, num_blocks=num_running * per_req + 8 * CHURN_PREFIXES,
+                    **(dict(int8_kv_min_priority=1, int8_block_size=30) if int8_kv else {})))
     counter = iter(range(10**9))
 
     def new_request(arrival_time: Optional[float]) -> Request:
         i = next(counter)
-        hints = hints_of(i) if policy != "fcfs" else SchedulingHints()
+        hints = (hints_of(i) if policy != "fcfs" else
+                 SchedulingHints(priority=i % 2) if int8_kv else SchedulingHints())
         return churn_request(i, hints, i * 1e-3 if arrival_time is None else arrival_time)
 
     for _ in range(num_running + num_waiting):
@@ -305,7 +309,7 @@ def measure_churn(num_running: int, num_waiting: int, steps: int,
     label = policy if policy_config is None else f"{policy} ({policy_config_label(policy_config)})"
     if hints_of is all_deadline_hints:
         label += ", a deadline on every request"
-    label += options_label(options or {})
+    label += options_label(options or {}) + (", int8 K/V for priority >= 1 (half)" if int8_kv else "")
     return {"policy": f"{label}, churn (8 shared prefixes), {composition.admission_order} order",
             "num_running": num_running, "num_waiting": num_waiting, "steps": steps,
             "cpu_ms_per_step": round(per_step_ms, 4),
@@ -364,7 +368,8 @@ def main() -> None:
                                                                 hints_of=all_deadline_hints),
              "churn-slo": lambda: measure_churn(256, 10_000, args.steps, options=SLO_BATCH),
              "churn-slo-tpot": lambda: measure_churn(256, 10_000, args.steps, options=SLO_BATCH_TPOT),
-             "churn-partial-prefills": lambda: measure_churn(256, 10_000, args.steps, options=PARTIAL_PREFILLS)}
+             "churn-partial-prefills": lambda: measure_churn(256, 10_000, args.steps, options=PARTIAL_PREFILLS),
+             "churn-int8-kv": lambda: measure_churn(256, 10_000, args.steps, int8_kv=True)}
     unknown = [name for name in args.cases or () if name not in cases]
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}; the cases: {', '.join(cases)}")

@@ -11,20 +11,6 @@ from tokenweir.model.attention import AttentionMetadata, paged_attention
 pytestmark = pytest.mark.skipif(kernels._library() is None, reason="no C compiler to build the kernel")
 
 
-@pytest.fixture
-def torch_path(monkeypatch):
-    """Run the block with the kernel disabled (the torch fallback)."""
-    def run(fn):
-        monkeypatch.setenv("TOKENWEIR_DISABLE_KERNELS", "1")
-        kernels._library.cache_clear()
-        try:
-            return fn()
-        finally:
-            monkeypatch.delenv("TOKENWEIR_DISABLE_KERNELS")
-            kernels._library.cache_clear()
-    return run
-
-
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads, kv_heads, head_dim, block_size", [
     (9, 3, 64, 16), (4, 4, 128, 8), (8, 2, 32, 4), (6, 1, 48, 32)])

@@ -20,20 +20,6 @@ from tokenweir.model.attention import AttentionMetadata, int8_block_size, paged_
 needs_kernels = pytest.mark.skipif(kernels._library() is None, reason="no C compiler to build the kernel")
 
 
-@pytest.fixture
-def torch_path(monkeypatch):
-    """Run the block with the kernel disabled (the torch fallback)."""
-    def run(fn):
-        monkeypatch.setenv("TOKENWEIR_DISABLE_KERNELS", "1")
-        kernels._library.cache_clear()
-        try:
-            return fn()
-        finally:
-            monkeypatch.delenv("TOKENWEIR_DISABLE_KERNELS")
-            kernels._library.cache_clear()
-    return run
-
-
 # --- references -------------------------------------------------------------------------------
 
 def ref_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -305,7 +305,7 @@ def write_kv(
     if kernels.attention_kernel_available(k.device, k.dtype, d):
         kernels.write_kv_cache(k, v, slot_mapping, kv_cache)
         if int8_slot_mapping is not None:
-            kernels.write_kv_cache_int8(k, v, int8_slot_mapping, kv_cache, int8_block_size)
+            kernels.write_kv_cache(k, v, int8_slot_mapping, kv_cache, int8_block_size)
         return
     if int8_slot_mapping is not None:
         # -1 would index the last block: keep the tokens that have a slot.

@@ -104,30 +104,22 @@ def attention_kernel_available(device: torch.device, dtype: torch.dtype, head_di
     return device.type == "cpu" and dtype in _DTYPES and head_dim % 16 == 0 and _library() is not None
 
 
-def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: torch.Tensor) -> None:
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
+                   int8_block_size: int = 0) -> None:
     """Store k / v [T, kv_heads, d] (row-strided views allowed) at their slots (int64 [T]; -1:
     skip the token) of a layer's cache [2, num_blocks, kv_heads, block_size * d] (layout: see
-    attention.py)."""
+    attention.py). With `int8_block_size`, quantised to int8 with a scale per token and head
+    into int8 blocks of that many tokens (slot = block * int8_block_size + offset)."""
     lib = _library()
     assert lib is not None and slot_mapping.dtype == torch.int64 and kv_cache.is_contiguous()
     num_tokens, num_kv_heads, head_dim = k.shape
     assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
-    lib.write_kv_cache(k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), kv_cache[0].data_ptr(),
-                       kv_cache[1].data_ptr(), num_tokens, k.stride(0), v.stride(0), num_kv_heads, head_dim,
-                       kv_cache.shape[3] // head_dim, k.element_size())
-
-
-def write_kv_cache_int8(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor, kv_cache: torch.Tensor,
-                        int8_block_size: int) -> None:
-    """As `write_kv_cache`, quantised to int8 with a scale per token and head, into int8 blocks of
-    `int8_block_size` tokens (slot = block * int8_block_size + offset; -1: skip the token)."""
-    lib = _library()
-    assert lib is not None and slot_mapping.dtype == torch.int64 and kv_cache.is_contiguous()
-    num_tokens, num_kv_heads, head_dim = k.shape
-    assert k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == head_dim
-    lib.write_kv_cache_int8(k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), kv_cache[0].data_ptr(),
-                            kv_cache[1].data_ptr(), num_tokens, k.stride(0), v.stride(0), num_kv_heads, head_dim,
-                            kv_cache.shape[3] // head_dim, int8_block_size, k.element_size())
+    args = [k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            num_tokens, k.stride(0), v.stride(0), num_kv_heads, head_dim, kv_cache.shape[3] // head_dim]
+    if int8_block_size:
+        lib.write_kv_cache_int8(*args, int8_block_size, k.element_size())
+    else:
+        lib.write_kv_cache(*args, k.element_size())
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
