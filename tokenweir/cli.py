@@ -100,9 +100,9 @@ def _generate(ns: argparse.Namespace) -> int:
     params = dataclasses.replace(llm.get_default_sampling_params(), max_tokens=ns.max_tokens, seed=ns.seed_sampling,
                                  **{"temperature": 0.0, **given})
     if ns.chat:
-        outputs = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False)
+        outputs = llm.chat([{"role": "user", "content": ns.prompt}], params, use_tqdm=False, priority=ns.priority)
     else:
-        outputs = llm.generate(ns.prompt, params, use_tqdm=False)
+        outputs = llm.generate(ns.prompt, params, use_tqdm=False, priority=ns.priority)
     print(outputs[0].outputs[0].text)
     return 0
 
@@ -200,6 +200,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None,
                      help="default: the model's generation_config.json (--generation-config auto), else 1")
     gen.add_argument("--seed-sampling", type=int, default=None, help="sampling seed")
+    gen.add_argument("--priority", type=int, default=0,
+                     help="the request's priority (smaller first; with --low-priority-kv-cache-dtype int8, "
+                          "from --low-priority-threshold on its K/V are int8)")
     gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                      help="wrap the prompt in the model's chat template (default on)")
     add_engine_args(gen)

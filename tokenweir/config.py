@@ -476,9 +476,13 @@ class EngineArgs:
             if self.low_priority_threshold is not None:
                 raise ValueError("low_priority_threshold only applies to low_priority_kv_cache_dtype 'int8'")
             return None
-        if self.low_priority_threshold is None:
+        threshold = self.low_priority_threshold
+        if threshold is None:
             return DEFAULT_LOW_PRIORITY_THRESHOLD
-        return self.low_priority_threshold
+        if not is_integer(threshold) or not PRIORITY_MIN <= threshold <= PRIORITY_MAX:
+            raise ValueError(f"low_priority_threshold must be an integer priority in [{PRIORITY_MIN}, "
+                             f"{PRIORITY_MAX}], got {threshold!r}")
+        return threshold
 
     _SLO_BATCH_ARGS = {"min_num_batched_tokens": "min_num_batched_tokens", "min_num_seqs": "min_num_seqs",
                        "initial_num_batched_tokens": "initial_num_batched_tokens",

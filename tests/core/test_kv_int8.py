@@ -90,6 +90,10 @@ def test_int8_needs_the_tokens_an_int8_block_holds():
         1024, 64, int8_block_size=30)
     assert (cache.int8_kv_min_priority, cache.int8_block_size) == (3, 30)
     assert EngineArgs().create_engine_configs(1024, 64)[0].int8_kv_min_priority is None
+    with pytest.raises(ValueError, match="low_priority_threshold must be an integer priority"):
+        EngineArgs(low_priority_kv_cache_dtype="int8", low_priority_threshold=1.5)
+    with pytest.raises(ValueError, match="low_priority_threshold only applies"):
+        EngineArgs(low_priority_threshold=2)
 
 
 def _mixed_requests(rng: random.Random, n: int, prompt_tokens: int = 40, shared_prefix: int = 0) -> list:
@@ -159,4 +163,26 @@ def test_a_recompute_victim_is_priced_by_its_own_block_size():
     # Its 16 shared tokens are found again (2 blocks of 8), so only the rest is recomputed.
     expected = chooser.costs.prefill_seconds(first.num_computed_tokens - 16, num_context=16)
     assert chooser.recompute_seconds(first) == pytest.approx(expected)
+    run_until_done(scheduler, runner)
+
+
+def test_cache_aware_order_compares_cached_tokens_not_blocks():
+    """An int8 request with 2 cached int8 blocks (16 tokens) has more of its prompt cached than
+    one with 3 cached blocks of the model's dtype (12 tokens): cache-aware order admits it first."""
+    scheduler = create_scheduler(num_blocks=64, block_size=4, int8_block_size=8, int8_kv_min_priority=1,
+                                 max_num_seqs=1, composition=CompositionConfig("cache-aware"))
+    int8_prefix, plain_prefix = list(range(300, 317)), list(range(400, 413))
+    runner = PagedFakeRunner.for_scheduler(scheduler)
+    for warm in (make_request("warm-int8", int8_prefix, max_tokens=1, priority=1),
+                 make_request("warm-plain", plain_prefix, max_tokens=1, priority=0)):
+        scheduler.add_request(warm)
+        run_until_done(scheduler, runner)
+    plain = make_request("plain", plain_prefix[:12] + [1, 2, 3, 4, 5], priority=0, arrival_time=1.0)
+    int8 = make_request("int8", int8_prefix[:16] + [6, 7, 8, 9, 10], priority=1, arrival_time=2.0)
+    scheduler.add_request(plain)  # first in arrival order
+    scheduler.add_request(int8)
+    out = scheduler.schedule(now=3.0)
+    assert [new.request_id for new in out.scheduled_new_reqs] == ["int8"]
+    assert (int8.num_cached_tokens, scheduler.kv_cache_manager.get_computed_blocks(plain)[1]) == (16, 12)
+    scheduler.update_from_output(out, runner.execute(out), now=3.0)
     run_until_done(scheduler, runner)

@@ -162,3 +162,26 @@ def test_knobs_given_at_their_defaults_with_their_policy_are_kept_and_yield_the_
     assert configs(vtc).policy_config == VTCConfig()
     order = parsed("--admission-order", "cache-aware", "--admission-max-wait", "30", "--admission-window", "32")
     assert configs(order).composition == CompositionConfig("cache-aware")
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_generate_sends_its_priority(tiny_model_dir, monkeypatch, capsys, chat):
+    """`--priority` reaches the request (with int8 K/V from --low-priority-threshold on, it
+    decides the request's K/V dtype), through chat and plain prompts alike."""
+    from tokenweir import cli
+    from tokenweir.engine.core import EngineCore
+
+    seen = []
+    add_request = EngineCore.add_request
+
+    def spy(self, request_id, prompt, params, hints, **kwargs):
+        request = add_request(self, request_id, prompt, params, hints, **kwargs)
+        seen.append((hints.priority, request.kv_int8))
+        return request
+
+    monkeypatch.setattr(EngineCore, "add_request", spy)
+    assert cli.main(["generate", "hi", "--chat" if chat else "--no-chat", "--max-tokens", "2",
+                     "--model", tiny_model_dir("llama"), "--device", "cpu", "--dtype", "float32",
+                     "--num-gpu-blocks-override", "16", "--low-priority-kv-cache-dtype", "int8",
+                     "--priority", "3"]) == 0
+    assert seen == [(3, True)]

@@ -84,3 +84,13 @@ def test_without_int8_the_low_priority_requests_are_exact_too(make_llm, tiny_mod
                       max_num_batched_tokens=16).engine
     tokens, _, most_int8 = _run(engine, EngineMetrics("tiny", 16, engine.max_model_len))
     assert tokens == oracle and most_int8 == 0
+
+
+def test_int8_that_would_hold_no_more_tokens_is_refused(tiny_model_dir):
+    """bf16 blocks of 2 tokens at head_dim 16 hold 64 bytes per head: 2 int8 tokens with their
+    scales, no gain for the accuracy given up."""
+    from tokenweir import LLM
+
+    with pytest.raises(ValueError, match="holds 2 int8 tokens with their scales, no more than it holds now"):
+        LLM(tiny_model_dir("llama"), dtype="bfloat16", device="cpu", block_size=2, num_gpu_blocks_override=64,
+            low_priority_kv_cache_dtype="int8")

@@ -8,14 +8,13 @@ definition, the byte positions from the layout, attention as SDPA over the dequa
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from tokenweir.model import kernels
-from tokenweir.model.attention import AttentionMetadata, int8_block_size, paged_attention, write_kv
+from tokenweir.model.attention import AttentionMetadata, int8_block_size, int8_cache, paged_attention, write_kv
 
 needs_kernels = pytest.mark.skipif(kernels._library() is None, reason="no C compiler to build the kernel")
 
@@ -337,7 +336,33 @@ def test_int8_rows_close_to_unquantised(dtype):
         exact = step.reference(r, quantised=False)
         err = (got[step.rows(r)].double() - exact).norm() / exact.norm()
         assert 0 < err < 0.02, f"row {r}: relative error {err:.4f}"
-        assert math.isfinite(err)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_non_finite_token_reads_back_as_nan_on_both_paths(torch_path, dtype):
+    """A K/V row with a NaN or inf (the model overflowed) is stored as a NaN scale over zeros by
+    the C writer and the torch path alike (a NaN cast to int8 is undefined in C), so it reads
+    back as NaN, as it would in the model's dtype; the other tokens are quantised as usual."""
+    d, kvh, bs = 64, 2, 16
+    ibs = int8_block_size(bs, d, dtype)
+    k = torch.randn(3, kvh, d)
+    k[1, 0, 5], k[2, 1, 7] = float("nan"), float("inf")
+    k, v = k.to(dtype), torch.randn(3, kvh, d).to(dtype)
+    slots, int8_slots = torch.full((3,), -1, dtype=torch.int64), torch.tensor([0, 1, ibs + 2])
+    caches = []
+    for path in (["kernel"] if kernels._library() is not None else []) + ["torch"]:
+        cache = torch.zeros(2, 2, kvh, bs * d, dtype=dtype)
+        write = lambda: write_kv(cache, k, v, slots, int8_slot_mapping=int8_slots, int8_block_size=ibs)  # noqa: E731
+        write() if path == "kernel" else torch_path(write)
+        keys, _, key_scales, value_scales = int8_cache(cache, d, ibs)
+        # Token 1's head 0 held the NaN, token 2's head 1 the inf: those heads' keys, whole.
+        assert torch.isnan(key_scales[0, 0, 1]) and torch.isnan(key_scales[1, 1, 2])
+        assert keys[0, 0, :, 1].eq(0).all() and keys[1, 1, :, 2].eq(0).all()
+        assert torch.isfinite(key_scales[0, :, 0]).all() and torch.isfinite(key_scales[0, 1, 1])
+        assert torch.isfinite(value_scales[0, :, :2]).all() and keys[0, 1, :, 1].ne(0).any()
+        caches.append(cache.view(torch.uint8))
+    if len(caches) == 2:
+        assert torch.equal(caches[0], caches[1])
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])

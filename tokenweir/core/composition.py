@@ -242,8 +242,9 @@ class _PrefixMatcher:
 
 
 class CacheAwareKey(OrderKey):
-    """Minus its cached blocks, or 1 (after all others, all alike) if it would compute a prefix
-    chosen this step: (would compute it, -cached blocks or 0) as one int, cheaper to compare."""
+    """Minus its cached tokens, or 1 (after all others, all alike) if it would compute a prefix
+    chosen this step: (would compute it, -cached tokens or 0) as one int, cheaper to compare.
+    Tokens, not blocks: an int8 request's block holds more of them."""
 
     def __init__(self, matcher: _PrefixMatcher) -> None:
         self.matcher = matcher
@@ -254,10 +255,12 @@ class CacheAwareKey(OrderKey):
 
     def keys(self, requests: Sequence[Request]) -> list[int]:
         match, computing = self.matcher.match, self._computing
+        tokens_per_block = self.matcher.kv.tokens_per_block
         values = []
         for request in requests:
             n, most = match(request)
-            values.append(1 if n < most and computing and request.block_hashes[n] in computing else -n)
+            values.append(1 if n < most and computing and request.block_hashes[n] in computing
+                          else -n * tokens_per_block(request))
         return values
 
     def chosen(self, request: Request) -> None:

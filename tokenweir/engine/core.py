@@ -83,6 +83,10 @@ class EngineCore:
         num_host_blocks = args.num_host_blocks(per_block)
         int8_block_size = (int8_tokens_per_block(args.block_size, arch.head_dim, self.loaded.dtype.itemsize)
                            if args.low_priority_kv_cache_dtype == "int8" else 0)
+        if int8_block_size and int8_block_size <= args.block_size:
+            raise ValueError(f"low_priority_kv_cache_dtype 'int8': an int8 block of {args.block_size} "
+                             f"{self.loaded.dtype} tokens' bytes holds {int8_block_size} int8 tokens with their "
+                             "scales, no more than it holds now; use a larger block_size")
         self.cache_config, self.scheduler_config = args.create_engine_configs(
             arch.max_model_len, num_blocks, num_host_blocks=num_host_blocks, kv_block_bytes=per_block,
             int8_block_size=int8_block_size)

@@ -326,7 +326,10 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.abs().amax(-1) / 127
     # A zero scale has a zero vector (or one too small for a float scale): dividing by 1 keeps it 0.
     q = torch.round(x / torch.where(scale > 0, scale, 1)[..., None]).clamp_(-127, 127)
-    return q.to(torch.int8), scale
+    # A row with a NaN or inf (the model overflowed) reads back as NaN, as in the model's dtype:
+    # a NaN scale over zeros, as the C writer stores it.
+    finite = torch.isfinite(x).all(-1)
+    return q.masked_fill_(~finite[..., None], 0).to(torch.int8), scale.masked_fill_(~finite, float("nan"))
 
 
 def _write_kv_int8(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, ibs: int) -> None:

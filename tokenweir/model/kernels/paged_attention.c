@@ -554,11 +554,26 @@ void write_kv_cache(const void *k, const void *v, const int64_t *slot_mapping, v
 }
 
 /* Symmetric int8 of one row of D values: returns scale = max|x| / 127 and stores q = x / scale
- * rounded to nearest (ties to even), in [-127, 127]; an all-zero row gets scale 0 and zeros. Both
+ * rounded to nearest (ties to even), in [-127, 127]; an all-zero row gets scale 0 and zeros, a
+ * row with a NaN or inf a NaN scale and zeros. Both
  * quotients are the IEEE ones, as torch computes them. */
 static inline float quantize_row(const float *x, int D, int8_t *q) {
     float amax = 0.f;
-    for (int d = 0; d < D; d++) amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+    int finite = 1;
+    for (int d = 0; d < D; d++) {
+        amax = fabsf(x[d]) > amax ? fabsf(x[d]) : amax;
+        /* By the bits: -ffast-math lets the compiler assume no NaN or inf exists. */
+        uint32_t bits;
+        memcpy(&bits, x + d, sizeof(bits));
+        finite &= (bits & 0x7F800000u) != 0x7F800000u;
+    }
+    if (!finite) { /* a NaN or inf (the model overflowed): the token reads back as NaN, as in bf16 */
+        const uint32_t nan_bits = 0x7FC00000u;
+        float nan;
+        memcpy(&nan, &nan_bits, sizeof(nan));
+        for (int d = 0; d < D; d++) q[d] = 0;
+        return nan;
+    }
     /* In double: -ffast-math turns amax / 127.f into a product with a rounded 1 / 127, off by an
      * ulp now and then; the double product rounds to the exact float quotient (a / 127 never
      * lies within 2^-32 of a float midpoint). */
