@@ -8,8 +8,10 @@ Three measurements, each side by side in one process (the same loaded weights, t
    difference, and the largest change of the sampled token's logprob while they agree (the
    contexts are then the same, so the two logprobs are of one token in one context).
 2. Capacity. A fixed KV pool and 16 requests of ~400 + 128 tokens, half of them low priority:
-   preemptions, the most requests running at once, total time and the high-priority requests'
-   mean latency, with and without int8 for the low-priority half (rounds alternate the order).
+   preemptions, the most requests in one step, total time and the high-priority requests' mean
+   latency, with and without int8 for the low-priority half (rounds alternate the order); and the
+   same requests SIMULATED (the real scheduler on the shipped CPU profile), whose preemptions and
+   batch sizes should be the engine's own.
 3. The attention kernel alone: one layer's decode attention over 32 rows x 1,024 context tokens
    (SmolLM2's 9 query / 3 KV heads of 64), all rows bf16 against all rows int8.
 4. The scheduler's CPU per step (benchmarks/scheduler_overhead.py's churn case: 256 running,
@@ -33,12 +35,14 @@ import torch
 
 from tokenweir import SamplingParams
 from tokenweir.config import EngineArgs
+from tokenweir.core.cost_model import load_cost_model
 from tokenweir.engine.core import EngineCore
 from tokenweir.machine import cpu_name
 from tokenweir.model.attention import (AttentionMetadata, allocate_kv_caches, int8_block_size, paged_attention,
                                        write_kv)
 from tokenweir.model.loader import load_model
 from tokenweir.request import SchedulingHints
+from tokenweir.sim.simulator import SimRequest, Simulator
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the scheduler benchmark's churn case
 from scheduler_overhead import measure_churn  # noqa: E402
@@ -72,7 +76,7 @@ def run(engine: EngineCore, prompts: list[list[int]], params: SamplingParams, pr
     outputs, finished_at, most_running = {}, {}, 0
     while engine.has_unfinished_requests():
         result = engine.step()
-        most_running = max(most_running, len(engine.scheduler.running))
+        most_running = max(most_running, len(result.scheduler_output.num_scheduled_tokens))
         for out in result.outputs:
             if out.finished:
                 outputs[out.request_id] = out.outputs[0]
@@ -147,9 +151,25 @@ def capacity(loaded, rounds: int, num_blocks: int) -> dict:
                                     "most_running": result["most_running"],
                                     "high_priority_mean_latency_s": round(statistics.fmean(high), 2)})
             print(r, name, by_config[name][-1], flush=True)
+    simulated = {name: simulate(EngineArgs(num_gpu_blocks_override=num_blocks, **config), prompts, priorities)
+                 for name, config in configs.items()}
     return {"num_blocks": num_blocks, "block_size": 16, "requests": 16,
             "mean_prompt_tokens": round(statistics.fmean(map(len, prompts))), "output_tokens": 128,
-            "rounds": by_config}
+            "rounds": by_config, "simulated": simulated}
+
+
+def simulate(args: EngineArgs, prompts: list[list[int]], priorities: list[int]) -> dict:
+    """The same requests through the real scheduler in the simulator (the shipped CPU profile):
+    its KV accounting should make the very decisions the engine made."""
+    most = [0]
+
+    def on_step(out, _t: float) -> None:
+        most[0] = max(most[0], len(out.num_scheduled_tokens))
+
+    sim = Simulator.from_engine_args(args, load_cost_model(None), on_step=on_step)
+    result = sim.run([SimRequest(f"r{i}", prompt, 128, 0.0, hints=SchedulingHints(priority=priority))
+                      for i, (prompt, priority) in enumerate(zip(prompts, priorities))])
+    return {"seconds": round(result.duration_s, 2), "preemptions": result.num_preemptions, "most_running": most[0]}
 
 
 def kernel(repeats: int) -> dict:
@@ -237,24 +257,40 @@ def report(data: dict) -> str:
         lines.append("")
     lines += [f"## Capacity ({cap['requests']} requests of ~{cap['mean_prompt_tokens']} + {cap['output_tokens']} "
               f"tokens, half priority 1, a pool of {cap['num_blocks']} blocks of {cap['block_size']})", "",
-              "| configuration | round | seconds | preemptions | most running | high-priority mean latency (s) |",
+              "| configuration | round | seconds | preemptions | most requests in a step | high-priority mean latency (s) |",
               "|---|---|---|---|---|---|"]
     for name, rounds in cap["rounds"].items():
         for i, r in enumerate(rounds):
             lines.append(f"| {name} | {i + 1} | {r['seconds']} | {r['preemptions']} | {r['most_running']} | "
                          f"{r['high_priority_mean_latency_s']} |")
+    for name, r in cap["simulated"].items():
+        lines.append(f"| {name}, SIMULATED (shipped CPU profile) | - | {r['seconds']} | {r['preemptions']} | "
+                     f"{r['most_running']} | - |")
     lines += ["", f"## Attention kernel (one layer, {k['rows']} decode rows x {k['context']} context tokens)", "",
               f"bf16 rows: {k['ms']['bf16']} ms; int8 rows: {k['ms']['int8']} ms (ratio "
               f"{k['ms']['int8'] / k['ms']['bf16']:.2f}); an int8 block holds {k['int8_block_size']} tokens "
               "where a bf16 block holds 16."]
     seconds = {name: statistics.median(r["seconds"] for r in rounds) for name, rounds in cap["rounds"].items()}
     plain, int8 = seconds["model dtype for all"], seconds["int8 for priority >= 1"]
-    lines += ["", "Reading: the noise-floor rows are identical (tokenweir's greedy output does not depend on "
-              "the batch), so every difference in the int8 rows is the quantisation's. Per-token int8 moves "
-              "this 135M model's sampled-token logprobs by a few hundredths of a nat on average and its "
-              "greedy continuations part after tens of tokens: the price the low-priority requests pay. "
-              f"With the pool tight, the run took {int8 / plain:.2f}x the time (medians {int8:.2f} s and "
-              f"{plain:.2f} s): more requests fit at once, fewer are preempted."]
+    comparison = "int8 vs model dtype, both batched"
+    moved = {dtype: [r["mean_logprob_delta"] for r in data[key][comparison].values()]
+             for key, dtype in (("accuracy", data["dtype"]), ("accuracy_float32", "float32"))}
+    agreeing = {dtype: [r["mean_agreeing_tokens"] for r in data[key][comparison].values()]
+                for key, dtype in (("accuracy", data["dtype"]), ("accuracy_float32", "float32"))}
+    lines += ["", "Reading: where the noise-floor rows are identical (greedy output that does not depend on the "
+              "batch), every difference in the int8 rows is the quantisation's. Int8 moves this 135M model's "
+              "sampled-token logprobs by " + " and ".join(f"{min(v):.3f}-{max(v):.3f} nats on average in {d}"
+                                                        for d, v in moved.items())
+              + ", and its greedy continuations agree for " + " and ".join(
+                  f"{min(v):.0f}-{max(v):.0f} tokens on average in {d}" for d, v in agreeing.items())
+              + f" (of {data['accuracy'][comparison]['short questions']['tokens']}): the price the low-priority "
+              f"requests pay. With the pool tight, the run took {int8 / plain:.2f}x the time (medians "
+              f"{int8:.2f} s and {plain:.2f} s): more requests fit at once, fewer are preempted. " + (
+                  "The simulator, driving the same scheduler on the shipped profile (another machine's step "
+                  "times), makes the engine's decisions: the same preemptions and batch sizes."
+                  if all(sim["preemptions"] == r["preemptions"] and sim["most_running"] == r["most_running"]
+                         for name, sim in cap["simulated"].items() for r in cap["rounds"][name])
+                  else "The simulator's preemptions or batch sizes differ from the engine's (table).")]
     sched = data["scheduler"]
     lines += ["", f"## Scheduler CPU per step ({sched['running']} running + {sched['waiting']:,} waiting, churn, "
               f"{sched['steps']} steps, rounds interleaved)", ""]

@@ -266,7 +266,7 @@ def measure_churn(num_running: int, num_waiting: int, steps: int,
     replaced by a new arrival outside the timed calls): the admission order chooses every step.
     `options`: more SchedulerConfig fields (SLO_BATCH, PARTIAL_PREFILLS). `int8_kv`: int8 K/V for
     priority >= 1, and under fcfs every other request has priority 1 (bf16 blocks of 16 at
-    head_dim 64: 30 int8 tokens per block, the engine's figure for the default model).
+    head_dim 64: 28 int8 tokens per block, the engine's figure for the default model).
     Under a policy other than fcfs every request has the policy cases' hints (mixed_hints), and
     the replacements arrive at the step's time, so their SLOs fall due while they wait."""
     block_size = 16
@@ -275,7 +275,7 @@ def measure_churn(num_running: int, num_waiting: int, steps: int,
         SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=num_running, composition=composition,
                         policy=policy, policy_config=policy_config, **(options or {})),
         CacheConfig(block_size=block_size, num_blocks=num_running * per_req + 8 * CHURN_PREFIXES,
-                    **(dict(int8_kv_min_priority=1, int8_block_size=30) if int8_kv else {})))
+                    **(dict(int8_kv_min_priority=1, int8_block_size=28) if int8_kv else {})))
     counter = iter(range(10**9))
 
     def new_request(arrival_time: Optional[float]) -> Request:

@@ -376,7 +376,7 @@ class EngineArgs:
         "help": "recompute | swap | auto (per victim, by predicted cost; swap needs --swap-space)"})
     low_priority_kv_cache_dtype: str = field(default="auto", metadata={
         "help": "auto (every request's K/V in the model's dtype) | int8: requests with priority >= "
-                "--low-priority-threshold store theirs in int8 with a scale per token and head, about 1.9x "
+                "--low-priority-threshold store theirs in int8 with a scale per 32 channels of a token and head, 1.75x "
                 "the tokens per block for bf16 (the others are computed exactly as before)"})
     low_priority_threshold: Optional[int] = field(default=None, metadata={
         "help": f"with --low-priority-kv-cache-dtype int8: the least priority value compressed (larger is less "

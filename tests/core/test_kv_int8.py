@@ -19,11 +19,13 @@ from tokenweir.request import RequestStatus
 
 
 def test_an_int8_block_holds_what_fits_in_the_bytes_of_a_block_with_its_scales():
-    # bf16, head_dim 64: 16 * 64 * 2 = 2048 bytes per block and head; 68 per int8 token with its scale.
-    assert int8_tokens_per_block(16, 64, 2) == 30
-    assert int8_tokens_per_block(16, 64, 4) == 60
-    assert int8_tokens_per_block(16, 128, 2) == 30  # 4096 // 132 = 31, even: 30
-    assert int8_tokens_per_block(32, 64, 2) == 60
+    # bf16, head_dim 64: 16 * 64 * 2 = 2048 bytes per block and head; 72 per int8 token with its
+    # two scales (one per 32 channels).
+    assert int8_tokens_per_block(16, 64, 2) == 28
+    assert int8_tokens_per_block(16, 64, 4) == 56
+    assert int8_tokens_per_block(16, 128, 2) == 28  # 4096 // (128 + 4 x 4) = 28
+    assert int8_tokens_per_block(32, 64, 2) == 56
+    assert int8_tokens_per_block(8, 16, 4) == 24  # 16 does not divide by 32: one scale, 512 // 20 = 25, even
     with pytest.raises(ValueError, match="fewer than 2 int8 tokens"):
         int8_tokens_per_block(2, 1, 1)
 
@@ -87,8 +89,8 @@ def test_int8_needs_the_tokens_an_int8_block_holds():
     with pytest.raises(ValueError, match="tokens an int8 block holds"):
         EngineArgs(low_priority_kv_cache_dtype="int8").create_engine_configs(1024, 64)
     cache, _ = EngineArgs(low_priority_kv_cache_dtype="int8", low_priority_threshold=3).create_engine_configs(
-        1024, 64, int8_block_size=30)
-    assert (cache.int8_kv_min_priority, cache.int8_block_size) == (3, 30)
+        1024, 64, int8_block_size=28)
+    assert (cache.int8_kv_min_priority, cache.int8_block_size) == (3, 28)
     assert EngineArgs().create_engine_configs(1024, 64)[0].int8_kv_min_priority is None
     with pytest.raises(ValueError, match="low_priority_threshold must be an integer priority"):
         EngineArgs(low_priority_kv_cache_dtype="int8", low_priority_threshold=1.5)

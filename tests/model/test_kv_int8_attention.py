@@ -1,4 +1,4 @@
-"""Int8 KV rows: requests whose K/V are int8 with a scale per token, inside the model-dtype paged
+"""Int8 KV rows: requests whose K/V are int8 with a scale per token and group of channels, inside the model-dtype paged
 cache's blocks (layout in tokenweir/model/attention.py), written and attended by the C kernel and
 the torch path, beside model-dtype rows of the same step.
 
@@ -21,17 +21,25 @@ needs_kernels = pytest.mark.skipif(kernels._library() is None, reason="no C comp
 
 # --- references -------------------------------------------------------------------------------
 
+def ref_group(d: int) -> int:
+    """Channels per scale, as the layout defines them: 32 where 32 divides the head, else all."""
+    return 32 if d % 32 == 0 else d
+
+
 def ref_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> int8 values and float32 scales [...]."""
-    x = x.float()
+    """x [..., d] -> int8 values [..., d] and float32 scales [..., groups]."""
+    d = x.shape[-1]
+    x = x.float().reshape(*x.shape[:-1], d // ref_group(d), ref_group(d))
     scale = (x.double().abs().amax(-1) / 127).float()  # the float nearest max|x| / 127
     ratio = x / torch.where(scale > 0, scale, 1)[..., None]  # the float32 quotient (IEEE division)
-    return torch.round(ratio).clamp(-127, 127).to(torch.int8), scale  # ties to even
+    q = torch.round(ratio).clamp(-127, 127).to(torch.int8)  # ties to even
+    return q.reshape(*x.shape[:-2], d), scale
 
 
 def ref_dequantize(x: torch.Tensor) -> torch.Tensor:
     q, scale = ref_quantize(x)
-    return q.float() * scale[..., None]
+    d = x.shape[-1]
+    return q.float() * scale.repeat_interleave(ref_group(d), dim=-1)
 
 
 def key_positions(d: int, bs: int, off: int) -> torch.Tensor:
@@ -63,10 +71,11 @@ def ref_write_int8(cache, k, v, slots, ibs):
             continue
         block, off = divmod(slot, ibs)
         for which, x, pos in ((0, k[t], key_positions(d, ibs, off)), (1, v[t], value_positions(d, off))):
-            q, scale = ref_quantize(x)  # [kvh, d], [kvh]
+            q, scale = ref_quantize(x)  # [kvh, d], [kvh, groups]
             raw[which, block, :, pos] = q
-            at = ibs * d + 4 * off
-            raw[which, block, :, at : at + 4] = scale.contiguous().view(torch.int8).view(-1, 4)
+            for g in range(scale.shape[-1]):  # float32 [groups, ibs] after the values
+                at = ibs * d + 4 * (g * ibs + off)
+                raw[which, block, :, at : at + 4] = scale[:, g].contiguous().view(torch.int8).view(-1, 4)
 
 
 def ref_slots(shapes, tables, bs, ibs, int8):
@@ -173,14 +182,14 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 # --- tests ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("block_size, head_dim, dtype, expected", [
-    (16, 64, torch.bfloat16, 30), (16, 64, torch.float32, 60), (16, 128, torch.bfloat16, 30),
-    (16, 128, torch.float32, 62), (32, 64, torch.bfloat16, 60), (8, 32, torch.bfloat16, 14),
+    (16, 64, torch.bfloat16, 28), (16, 64, torch.float32, 56), (16, 128, torch.bfloat16, 28),
+    (16, 128, torch.float32, 56), (32, 64, torch.bfloat16, 56), (8, 32, torch.bfloat16, 14),
     (2, 64, torch.bfloat16, 2), (2, 64, torch.float32, 6), (16, 48, torch.float16, 28)])
 def test_int8_block_size(block_size, head_dim, dtype, expected):
     ibs = int8_block_size(block_size, head_dim, dtype)
     assert ibs == expected
-    region = block_size * head_dim * dtype.itemsize
-    assert ibs % 2 == 0 and ibs * (head_dim + 4) <= region < (ibs + 2) * (head_dim + 4)
+    region, per_token = block_size * head_dim * dtype.itemsize, head_dim + 4 * (head_dim // ref_group(head_dim))
+    assert ibs % 2 == 0 and ibs * per_token <= region < (ibs + 2) * per_token
 
 
 @pytest.mark.parametrize("block_size, head_dim, dtype", [(2, 2, torch.bfloat16), (1, 64, torch.bfloat16)])
@@ -340,7 +349,7 @@ def test_int8_rows_close_to_unquantised(dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_non_finite_token_reads_back_as_nan_on_both_paths(torch_path, dtype):
-    """A K/V row with a NaN or inf (the model overflowed) is stored as a NaN scale over zeros by
+    """A K/V group with a NaN or inf (the model overflowed) is stored as a NaN scale over zeros by
     the C writer and the torch path alike (a NaN cast to int8 is undefined in C), so it reads
     back as NaN, as it would in the model's dtype; the other tokens are quantised as usual."""
     d, kvh, bs = 64, 2, 16
@@ -355,11 +364,13 @@ def test_a_non_finite_token_reads_back_as_nan_on_both_paths(torch_path, dtype):
         write = lambda: write_kv(cache, k, v, slots, int8_slot_mapping=int8_slots, int8_block_size=ibs)  # noqa: E731
         write() if path == "kernel" else torch_path(write)
         keys, _, key_scales, value_scales = int8_cache(cache, d, ibs)
-        # Token 1's head 0 held the NaN, token 2's head 1 the inf: those heads' keys, whole.
-        assert torch.isnan(key_scales[0, 0, 1]) and torch.isnan(key_scales[1, 1, 2])
-        assert keys[0, 0, :, 1].eq(0).all() and keys[1, 1, :, 2].eq(0).all()
-        assert torch.isfinite(key_scales[0, :, 0]).all() and torch.isfinite(key_scales[0, 1, 1])
-        assert torch.isfinite(value_scales[0, :, :2]).all() and keys[0, 1, :, 1].ne(0).any()
+        # Token 1's head 0 held the NaN (channel 5), token 2's head 1 the inf (channel 7): the
+        # first group of 32 channels of those heads' keys (component pairs 0..15), only.
+        assert torch.isnan(key_scales[0, 0, 0, 1]) and torch.isnan(key_scales[1, 1, 0, 2])
+        assert keys[0, 0, :16, 1].eq(0).all() and keys[1, 1, :16, 2].eq(0).all()
+        assert torch.isfinite(key_scales[0, 0, 1, 1]) and keys[0, 0, 16:, 1].ne(0).any()
+        assert torch.isfinite(key_scales[0, :, :, 0]).all() and torch.isfinite(key_scales[0, 1, :, 1]).all()
+        assert torch.isfinite(value_scales[0, :, :, :2]).all() and keys[0, 1, :, 1].ne(0).any()
         caches.append(cache.view(torch.uint8))
     if len(caches) == 2:
         assert torch.equal(caches[0], caches[1])

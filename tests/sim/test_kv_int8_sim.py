@@ -29,7 +29,7 @@ def test_the_shipped_profile_simulates_int8_with_the_engines_block_size():
         results[dtype] = sim.run(_requests())
         assert_no_leaks(sim.scheduler)
         if dtype == "int8":
-            assert sim.scheduler.kv_cache_manager.int8_block_size == 30  # bf16, head_dim 64, blocks of 16
+            assert sim.scheduler.kv_cache_manager.int8_block_size == 28  # bf16, head_dim 64, blocks of 16
     assert all(r.output_tokens == 100 for r in results["int8"].records)
     # The same pool holds more requests at once (preemptions may then rise: more of them grow).
     assert max(results["int8"].timeseries.running) > max(results["auto"].timeseries.running)

@@ -67,13 +67,22 @@ class PrefixCacheStats:
 
 SwapPairs = list[tuple[int, int]]  # (device block id, host block id)
 
-INT8_SCALE_BYTES = 4  # one float32 scale per token and KV head, for K and for V
+INT8_SCALE_BYTES = 4  # one float32 scale per group of channels of a token and KV head, K and V apart
+# Channels per scale: K's error dominates, and a scale per 32 channels instead of one per head
+# roughly halves it for 7% fewer tokens per block (docs/benchmarks/kv_int8_schemes.md).
+INT8_SCALE_GROUP = 32
+
+
+def int8_scale_group(head_dim: int) -> int:
+    """Channels that share a scale: 32, or the whole head where 32 does not divide it."""
+    return INT8_SCALE_GROUP if head_dim % INT8_SCALE_GROUP == 0 else head_dim
 
 
 def int8_tokens_per_block(block_size: int, head_dim: int, element_size: int) -> int:
     """Tokens an int8 block holds: as many (even, for the pair layout) as fit, with their
     scales, in the bytes a block of `block_size` tokens of `element_size`-byte K/V takes."""
-    num = block_size * head_dim * element_size // (head_dim + INT8_SCALE_BYTES) // 2 * 2
+    per_token = head_dim + INT8_SCALE_BYTES * (head_dim // int8_scale_group(head_dim))
+    num = block_size * head_dim * element_size // per_token // 2 * 2
     if num < 2:
         raise ValueError(f"a block of {block_size} tokens x {head_dim} x {element_size} bytes holds fewer than 2 "
                          "int8 tokens with their scales; use a larger block_size")

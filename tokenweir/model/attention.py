@@ -20,15 +20,17 @@ paged_attention.c). Block sizes must be even. `key_cache` / `value_cache` give t
 
 Int8 rows: a request may keep its K/V as int8 instead (`AttentionMetadata.build(int8_rows=...)`),
 in the same tensor and blocks, each (block, kv head) region of K (and of V) of
-R = block_size * head_dim * element_size bytes reinterpreted. Such a block holds
-ibs = `int8_block_size(...)` tokens, the largest even n with n * (head_dim + 4) <= R (bf16, block
-16, head_dim 64: 30). Bytes [0, ibs * head_dim) hold the int8 values in the pair layouts above with
-ibs for block_size (keys [head_dim / 2, ibs, 2], values [ibs / 2, head_dim, 2]); bytes
-[ibs * head_dim, ibs * head_dim + 4 * ibs) one float32 scale per token, the keys' in the K region
-and the values' in the V region. Quantisation is symmetric, per token and kv head, for K and V
-apart: scale = max |x| / 127 over the head's components (0 for a zero vector, then all values 0),
-q = x / scale rounded to nearest and clamped to [-127, 127], read back as q * scale. An int8 row's
-slot of position p is table[p // ibs] * ibs + p % ibs: its block table counts blocks of ibs tokens.
+R = block_size * head_dim * element_size bytes reinterpreted. Its channels are quantised in
+groups of G = `int8_scale_group(head_dim)` (32, or the whole head where 32 does not divide it),
+each with a float32 scale. Such a block holds ibs = `int8_block_size(...)` tokens, the largest
+even n with n * (head_dim + 4 * head_dim / G) <= R (bf16, block 16, head_dim 64: 28). Bytes
+[0, ibs * head_dim) hold the int8 values in the pair layouts above with ibs for block_size (keys
+[head_dim / 2, ibs, 2], values [ibs / 2, head_dim, 2]); then the scales, float32
+[head_dim / G, ibs] (group, then token), the keys' in the K region and the values' in the V
+region. Quantisation is symmetric, per token, kv head and group, for K and V apart: scale =
+max |x| / 127 over the group's components (0 for a zero group, then all its values 0), q = x /
+scale rounded to nearest and clamped to [-127, 127], read back as q * scale. An int8 row's slot of
+position p is table[p // ibs] * ibs + p % ibs: its block table counts blocks of ibs tokens.
 `int8_cache` gives the views.
 """
 
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from tokenweir.core.kv_cache_manager import int8_tokens_per_block
+from tokenweir.core.kv_cache_manager import int8_scale_group, int8_tokens_per_block
 from tokenweir.model import kernels
 from tokenweir.model.arch import ModelArchConfig
 
@@ -55,11 +57,11 @@ def int8_cache(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Int8 views of a layer's cache with ibs tokens per block: keys
     [num_blocks, kv_heads, head_dim / 2, ibs, 2], values [num_blocks, kv_heads, ibs / 2, head_dim, 2]
-    (int8), and their scales, each [num_blocks, kv_heads, ibs] (float32)."""
+    (int8), and their scales, each [num_blocks, kv_heads, groups, ibs] (float32)."""
     _, num_blocks, kvh, _ = kv_cache.shape
     raw = kv_cache.view(torch.int8)  # [2, num_blocks, kvh, R]
-    n = ibs * head_dim
-    scales = raw[..., n : n + 4 * ibs].view(torch.float32)
+    n, groups = ibs * head_dim, head_dim // int8_scale_group(head_dim)
+    scales = raw[..., n : n + 4 * groups * ibs].view(torch.float32).view(2, num_blocks, kvh, groups, ibs)
     return (raw[0, ..., :n].view(num_blocks, kvh, head_dim // 2, ibs, 2),
             raw[1, ..., :n].view(num_blocks, kvh, ibs // 2, head_dim, 2), scales[0], scales[1])
 
@@ -321,15 +323,17 @@ def write_kv(
 
 
 def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., d] -> int8 values [..., d] and float32 scales [...] (module doc)."""
-    x = x.float()
-    scale = x.abs().amax(-1) / 127
-    # A zero scale has a zero vector (or one too small for a float scale): dividing by 1 keeps it 0.
-    q = torch.round(x / torch.where(scale > 0, scale, 1)[..., None]).clamp_(-127, 127)
-    # A row with a NaN or inf (the model overflowed) reads back as NaN, as in the model's dtype:
+    """x [..., d] -> int8 values [..., d] and float32 scales [..., groups] (module doc)."""
+    d = x.shape[-1]
+    grouped = x.float().reshape(*x.shape[:-1], d // int8_scale_group(d), int8_scale_group(d))
+    scale = grouped.abs().amax(-1) / 127
+    # A zero scale has a zero group (or one too small for a float scale): dividing by 1 keeps it 0.
+    q = torch.round(grouped / torch.where(scale > 0, scale, 1)[..., None]).clamp_(-127, 127)
+    # A group with a NaN or inf (the model overflowed) reads back as NaN, as in the model's dtype:
     # a NaN scale over zeros, as the C writer stores it.
-    finite = torch.isfinite(x).all(-1)
-    return q.masked_fill_(~finite[..., None], 0).to(torch.int8), scale.masked_fill_(~finite, float("nan"))
+    finite = torch.isfinite(grouped).all(-1)
+    q = q.masked_fill_(~finite[..., None], 0).to(torch.int8).reshape(x.shape)
+    return q, scale.masked_fill_(~finite, float("nan"))
 
 
 def _write_kv_int8(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, ibs: int) -> None:
@@ -342,8 +346,8 @@ def _write_kv_int8(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slo
     qv, sv = _quantize(v)
     keys[blocks, :, :, offsets, :] = qk.view(qk.shape[0], qk.shape[1], d // 2, 2)
     values[blocks, :, offsets // 2, :, offsets % 2] = qv
-    key_scales[blocks, :, offsets] = sk
-    value_scales[blocks, :, offsets] = sv
+    key_scales[blocks, :, :, offsets] = sk  # [T, kvh, groups]
+    value_scales[blocks, :, :, offsets] = sv
 
 
 def _gather_context(
@@ -365,10 +369,13 @@ def _gather_int8_context(
     """An int8 row's K and V through its block table, dequantised to `dtype`: each [1, kvh, seq_len, d]."""
     keys, values, key_scales, value_scales = int8_cache(kv_cache, head_dim, ibs)
     nb, kvh = block_ids.shape[0], kv_cache.shape[2]
-    ks = torch.index_select(key_scales, 0, block_ids)  # [nb, kvh, ibs]
-    vs = torch.index_select(value_scales, 0, block_ids)
-    keys = torch.index_select(keys, 0, block_ids).float() * ks[:, :, None, :, None]  # [nb, kvh, d / 2, ibs, 2]
-    values = torch.index_select(values, 0, block_ids).float() * vs.view(nb, kvh, ibs // 2, 1, 2)
+    group = int8_scale_group(head_dim)
+    # Each component's scale: [nb, kvh, d / 2, ibs] per key pair of components, [nb, kvh, d, ibs].
+    ks = torch.index_select(key_scales, 0, block_ids).repeat_interleave(group // 2, dim=2)
+    vs = torch.index_select(value_scales, 0, block_ids).repeat_interleave(group, dim=2)
+    keys = torch.index_select(keys, 0, block_ids).float() * ks[..., None]  # [nb, kvh, d / 2, ibs, 2]
+    values = (torch.index_select(values, 0, block_ids).float()
+              * vs.view(nb, kvh, head_dim, ibs // 2, 2).transpose(2, 3))  # [nb, kvh, ibs / 2, d, 2]
     keys = keys.permute(1, 0, 3, 2, 4).reshape(1, kvh, nb * ibs, head_dim)
     values = values.permute(1, 0, 2, 4, 3).reshape(1, kvh, nb * ibs, head_dim)
     return keys[:, :, :seq_len].to(dtype), values[:, :, :seq_len].to(dtype)

@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from tokenweir.core.kv_cache_manager import int8_scale_group
 from tokenweir.paths import cache_root
 
 logger = logging.getLogger("tokenweir")
@@ -83,11 +84,11 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> Optional[ctypes.CDLL]:
         return None
     lib.paged_attention.restype = ctypes.c_int
     lib.paged_attention.argtypes = ([ctypes.c_void_p] * 8 + [ctypes.c_int] * 8 + [ctypes.c_float, ctypes.c_int]
-                                    + [ctypes.c_void_p, ctypes.c_int])
+                                    + [ctypes.c_void_p, ctypes.c_int, ctypes.c_int])
     lib.write_kv_cache.restype = None
     lib.write_kv_cache.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 7
     lib.write_kv_cache_int8.restype = None
-    lib.write_kv_cache_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 8
+    lib.write_kv_cache_int8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 9
     lib.rms_norm_bf16.restype = None
     lib.rms_norm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 2 + [ctypes.c_float]
     lib.silu_and_mul_bf16.restype = None
@@ -108,8 +109,9 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
                    int8_block_size: int = 0) -> None:
     """Store k / v [T, kv_heads, d] (row-strided views allowed) at their slots (int64 [T]; -1:
     skip the token) of a layer's cache [2, num_blocks, kv_heads, block_size * d] (layout: see
-    attention.py). With `int8_block_size`, quantised to int8 with a scale per token and head
-    into int8 blocks of that many tokens (slot = block * int8_block_size + offset)."""
+    attention.py). With `int8_block_size`, quantised to int8 with a scale per group of channels
+    (`int8_scale_group`) of each token and head into int8 blocks of that many tokens
+    (slot = block * int8_block_size + offset)."""
     lib = _library()
     assert lib is not None and slot_mapping.dtype == torch.int64 and kv_cache.is_contiguous()
     num_tokens, num_kv_heads, head_dim = k.shape
@@ -117,7 +119,7 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
     args = [k.data_ptr(), v.data_ptr(), slot_mapping.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
             num_tokens, k.stride(0), v.stride(0), num_kv_heads, head_dim, kv_cache.shape[3] // head_dim]
     if int8_block_size:
-        lib.write_kv_cache_int8(*args, int8_block_size, k.element_size())
+        lib.write_kv_cache_int8(*args, int8_block_size, int8_scale_group(head_dim), k.element_size())
     else:
         lib.write_kv_cache(*args, k.element_size())
 
@@ -142,12 +144,14 @@ def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     assert int8_rows is None or (int8_rows.dtype == torch.int32 and int8_rows.shape == seq_lens.shape
                                  and int8_block_size >= 2)
     out = q.new_empty(num_tokens, num_heads, head_dim)
-    lib.paged_attention(
+    status = lib.paged_attention(
         q.data_ptr(), kv_cache[0].data_ptr(), kv_cache[1].data_ptr(), block_tables.data_ptr(),
         query_start_loc.data_ptr(), query_lens.data_ptr(), seq_lens.data_ptr(), out.data_ptr(),
         seq_lens.shape[0], num_heads, num_kv_heads, head_dim, width // head_dim, block_tables.shape[1],
         q.stride(0), num_heads * head_dim, scale, _DTYPES[q.dtype],
-        int8_rows.data_ptr() if int8_rows is not None else None, int8_block_size)
+        int8_rows.data_ptr() if int8_rows is not None else None, int8_block_size, int8_scale_group(head_dim))
+    if status:
+        raise RuntimeError(f"the attention kernel refused head_dim {head_dim}")
     return out
 
 

@@ -17,9 +17,10 @@
  * times the query heads sharing the kv head (GQA), row r = token * group + member.
  *
  * Int8 rows (int8_rows[c] set): the request's K/V lie in the same regions as int8 with a float32
- * scale per token (attention.py): a block holds ibs = int8_block_size tokens, key component pair
- * i of block offset o at byte i * 2 ibs + 2 o, value component d of offset o at byte
- * o / 2 * 2D + 2d + o % 2, the scales at float ibs * D + o of the K and of the V region. Their
+ * scale per group of int8_group channels of a token (attention.py): a block holds
+ * ibs = int8_block_size tokens, key component pair i of block offset o at byte i * 2 ibs + 2 o,
+ * value component d of offset o at byte o / 2 * 2D + 2d + o % 2, the scale of group g at float
+ * g * ibs + o after the ibs * D value bytes of the K and of the V region. Their
  * tiles end at block ends (ibs is rarely a multiple of TILE), so that every tile is one run of
  * bytes per component pair, and are widened times their scales into the float tiles.
  *
@@ -119,7 +120,7 @@ typedef struct {
     int num_heads, num_kv_heads, block_size, max_blocks, q_row_stride, out_row_stride, dtype;
     float scale;
     const int32_t *int8_rows; /* NULL: no int8 row */
-    int int8_block_size;
+    int int8_block_size, int8_group; /* tokens per int8 block; channels per scale */
 } Job;
 
 /* Buffers of one thread, 64-byte aligned for the vector loads. */
@@ -264,41 +265,55 @@ static inline __attribute__((always_inline)) void widen_int8_pairs(const int8_t 
  * into w->kt and w->vt (rows < nt; lanes past nt come out 0: their scale is 0). */
 static inline __attribute__((always_inline)) void load_int8_tile(const Job *j, const int32_t *table, int kvh, int t0,
                                                                int nt, const int D, const Scratch *w) {
-    const int ibs = j->int8_block_size, off = t0 % ibs, NV = D / 16;
+    const int ibs = j->int8_block_size, off = t0 % ibs, NV = D / 16, GS = j->int8_group, NG = D / GS;
     const size_t region = ((size_t)table[t0 / ibs] * j->num_kv_heads + kvh) * (size_t)j->block_size * D *
                           (j->dtype == 1 ? 2 : 4);
     const int8_t *k = (const int8_t *)j->k_cache + region, *v = (const int8_t *)j->v_cache + region;
-    float ks[TILE] = {0}, vs[TILE] = {0};
-    for (int o = 0; o < nt; o++) { /* (memcpy: no alignment assumed of the cache's bytes) */
-        memcpy(ks + o, k + (size_t)ibs * D + 4 * (size_t)(off + o), sizeof(float));
-        memcpy(vs + o, v + (size_t)ibs * D + 4 * (size_t)(off + o), sizeof(float));
+    /* Each group's scales of the tile's keys (lanes = keys). A full tile's run of 16 lies inside
+     * the group's ibs scales (tiles end at block ends); a partial one is gathered, zeros past nt.
+     * (memcpy: no alignment assumed of the cache's bytes.) */
+    vf16 ks[D / 16], vs[D / 16]; /* NG <= D / 16: a group is a multiple of 16 channels */
+    for (int g = 0; g < NG; g++) {
+        const size_t at = (size_t)ibs * D + 4 * ((size_t)g * ibs + off);
+        if (nt == TILE) {
+            memcpy(&ks[g], k + at, sizeof(vf16));
+            memcpy(&vs[g], v + at, sizeof(vf16));
+        } else {
+            float kf[TILE] = {0}, vf[TILE] = {0};
+            memcpy(kf, k + at, sizeof(float) * (size_t)nt);
+            memcpy(vf, v + at, sizeof(float) * (size_t)nt);
+            memcpy(&ks[g], kf, sizeof(vf16));
+            memcpy(&vs[g], vf, sizeof(vf16));
+        }
     }
     if (ibs >= 8) {
         /* One 32-byte load per component pair: TILE keys from offset `off`. Past the tile's last
          * key it reads at most 30 bytes more, which past the last pair's row fall in the 4 ibs
          * bytes of scales: inside the region. */
-        vf16 scale;
-        memcpy(&scale, ks, sizeof(scale));
-        for (int i = 0; i < D / 2; i++) {
-            vf16 even, odd;
-            widen_int8_pairs(k + (size_t)i * 2 * ibs + 2 * (size_t)off, &even, &odd);
-            w->kt[2 * i] = even * scale;
-            w->kt[2 * i + 1] = odd * scale;
-        }
+        for (int g = 0; g < NG; g++)
+            for (int i = g * GS / 2; i < (g + 1) * GS / 2; i++) {
+                vf16 even, odd;
+                widen_int8_pairs(k + (size_t)i * 2 * ibs + 2 * (size_t)off, &even, &odd);
+                w->kt[2 * i] = even * ks[g];
+                w->kt[2 * i + 1] = odd * ks[g];
+            }
     } else { /* tiny blocks: key by key */
         float *kt = (float *)w->kt;
         for (int o = 0; o < TILE; o++)
             for (int d = 0; d < D; d++)
-                kt[d * TILE + o] = o < nt ? k[(size_t)(d / 2) * 2 * ibs + 2 * (size_t)(off + o) + d % 2] * ks[o] : 0.f;
+                kt[d * TILE + o] =
+                    o < nt ? k[(size_t)(d / 2) * 2 * ibs + 2 * (size_t)(off + o) + d % 2] * ks[d / GS][o] : 0.f;
     }
-    /* Values by key pair (off is even, and so is ibs: a pair never straddles blocks). */
+    /* Values by key pair (off is even, and so is ibs: a pair never straddles blocks); a chunk of
+     * 16 components lies in one group. */
     for (int m = 0; 2 * m < nt; m++) {
         const int8_t *pair = v + (size_t)(off / 2 + m) * 2 * D;
         for (int c = 0; c < NV; c++) {
             vf16 first, second;
             widen_int8_pairs(pair + 32 * c, &first, &second);
-            w->vt[(2 * m) * NV + c] = first * vs[2 * m];
-            w->vt[(2 * m + 1) * NV + c] = second * vs[2 * m + 1];
+            const vf16 scale = vs[16 * c / GS];
+            w->vt[(2 * m) * NV + c] = first * scale[2 * m];
+            w->vt[(2 * m + 1) * NV + c] = second * scale[2 * m + 1];
         }
     }
 }
@@ -476,9 +491,9 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, con
                     const int32_t *q_starts, const int32_t *q_lens, const int32_t *seq_lens, void *out,
                     int num_requests, int num_heads, int num_kv_heads, int head_dim, int block_size, int max_blocks,
                     int q_row_stride, int out_row_stride, float scale, int dtype, const int32_t *int8_rows,
-                    int int8_block_size) {
+                    int int8_block_size, int int8_group) {
     const int G = num_heads / num_kv_heads, D = head_dim;
-    if (D % 16 != 0) return -1;
+    if (D % 16 != 0 || (int8_rows != NULL && (int8_group % 16 != 0 || D % int8_group != 0))) return -1;
     /* Work items enumerated through a prefix sum over requests. */
     int *first_item = malloc(sizeof(int) * (size_t)(num_requests + 1));
     first_item[0] = 0;
@@ -487,7 +502,7 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, con
     const int items = first_item[num_requests];
     const Job job = {q, k_cache, v_cache, block_tables, q_starts, q_lens, seq_lens, out, num_heads, num_kv_heads,
                      block_size, max_blocks, q_row_stride, out_row_stride, dtype, scale, int8_rows,
-                     int8_block_size};
+                     int8_block_size, int8_group};
     /* OpenMP resolves to the libgomp torch already loaded (same soname), so this loop runs on
      * torch's own worker threads: a second thread pool would fight torch's spinning workers
      * for the cores. */
@@ -595,12 +610,26 @@ static inline float quantize_row(const float *x, int D, int8_t *q) {
     return scale;
 }
 
-/* Store int8 rows' K/V: as write_kv_cache, but each token's head quantised (quantize_row) into
- * its slot of a block of int8_block_size tokens (layout at the top; slot = block * ibs + offset),
- * its scale beside. Slots < 0 (model-dtype rows' tokens) are skipped. */
+/* Store int8 rows' K/V: as write_kv_cache, but each group of `group` channels of a token's head
+ * quantised (quantize_row) into its slot of a block of int8_block_size tokens (layout at the top;
+ * slot = block * ibs + offset), its scale after the values. Slots < 0 (model-dtype rows' tokens)
+ * are skipped. */
+static inline void store_int8(int8_t *region, const float *x, int D, int ibs, int off, int group, int is_key) {
+    int8_t q[group];
+    for (int g = 0; g < D / group; g++) {
+        const float scale = quantize_row(x + g * group, group, q);
+        for (int i = 0; i < group; i++) {
+            const int d = g * group + i;
+            region[is_key ? (size_t)(d / 2) * 2 * ibs + 2 * (size_t)off + d % 2
+                          : (size_t)(off / 2) * 2 * D + 2 * (size_t)d + off % 2] = q[i];
+        }
+        memcpy(region + (size_t)ibs * D + 4 * ((size_t)g * ibs + off), &scale, sizeof(scale));
+    }
+}
+
 void write_kv_cache_int8(const void *k, const void *v, const int64_t *slot_mapping, void *k_cache, void *v_cache,
                          int num_tokens, int k_row_stride, int v_row_stride, int num_kv_heads, int head_dim,
-                         int block_size, int int8_block_size, int elem_size) {
+                         int block_size, int int8_block_size, int int8_group, int elem_size) {
     const int D = head_dim, ibs = int8_block_size, dtype = elem_size == 2;
     const size_t region = (size_t)block_size * D * elem_size;
 #pragma omp parallel for schedule(static)
@@ -608,18 +637,12 @@ void write_kv_cache_int8(const void *k, const void *v, const int64_t *slot_mappi
         const int64_t slot = slot_mapping[t], block = slot / ibs, off = slot % ibs;
         if (slot < 0) continue;
         float x[D];
-        int8_t qv[D];
         for (int h = 0; h < num_kv_heads; h++) {
             const size_t head = ((size_t)block * num_kv_heads + h) * region;
-            int8_t *kc = (int8_t *)k_cache + head, *vc = (int8_t *)v_cache + head;
             load_floats(k, (size_t)t * k_row_stride + (size_t)h * D, D, dtype, x);
-            float scale = quantize_row(x, D, qv);
-            for (int d = 0; d < D; d++) kc[(size_t)(d / 2) * 2 * ibs + 2 * (size_t)off + d % 2] = qv[d];
-            memcpy(kc + (size_t)ibs * D + 4 * (size_t)off, &scale, sizeof(scale));
+            store_int8((int8_t *)k_cache + head, x, D, ibs, (int)off, int8_group, 1);
             load_floats(v, (size_t)t * v_row_stride + (size_t)h * D, D, dtype, x);
-            scale = quantize_row(x, D, qv);
-            for (int d = 0; d < D; d++) vc[(size_t)(off / 2) * 2 * D + 2 * (size_t)d + off % 2] = qv[d];
-            memcpy(vc + (size_t)ibs * D + 4 * (size_t)off, &scale, sizeof(scale));
+            store_int8((int8_t *)v_cache + head, x, D, ibs, (int)off, int8_group, 0);
         }
     }
 }
