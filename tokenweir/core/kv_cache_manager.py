@@ -69,7 +69,7 @@ SwapPairs = list[tuple[int, int]]  # (device block id, host block id)
 
 INT8_SCALE_BYTES = 4  # one float32 scale per group of channels of a token and KV head, K and V apart
 # Channels per scale: K's error dominates, and a scale per 32 channels instead of one per head
-# roughly halves it for 7% fewer tokens per block (docs/benchmarks/kv_int8_schemes.md).
+# cuts it by about 40% for 7% fewer tokens per block (docs/benchmarks/kv_int8_schemes.md).
 INT8_SCALE_GROUP = 32
 
 
