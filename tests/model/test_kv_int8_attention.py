@@ -171,10 +171,12 @@ ROWS = [  # (query_len, seq_len, int8): decodes, chunks over cached context, who
     (1, 1, True), (64, 130, False), (40, 130, True), (1, 97, False), (3, 3, False), (1, 61, True),
 ]
 CONFIGS = [  # heads, kv_heads, head_dim, block_size
-    (9, 3, 64, 16),  # SmolLM2-135M: int8 blocks of 30 / 60 tokens, tiles straddle TILE
+    (9, 3, 64, 16),  # SmolLM2-135M: int8 blocks of 28 / 56 tokens, tiles straddle TILE
     (4, 4, 128, 8),
     (6, 1, 48, 32),
     (8, 2, 32, 2),  # int8 blocks of 2 / 6 tokens: the kernel's key-by-key path
+    (8, 2, 128, 4),  # 4 scale groups, int8 blocks of 6 / 14: both kernel paths read groups
+    (6, 1, 48, 4),  # one group (32 does not divide 48), int8 blocks of 4 (bf16): key by key
 ]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 

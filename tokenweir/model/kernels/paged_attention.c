@@ -288,8 +288,8 @@ static inline __attribute__((always_inline)) void load_int8_tile(const Job *j, c
     }
     if (ibs >= 8) {
         /* One 32-byte load per component pair: TILE keys from offset `off`. Past the tile's last
-         * key it reads at most 30 bytes more, which past the last pair's row fall in the 4 ibs
-         * bytes of scales: inside the region. */
+         * key it reads at most 30 bytes more, which past the last pair's row fall in the
+         * 4 x groups x ibs (>= 32) bytes of scales: inside the region. */
         for (int g = 0; g < NG; g++)
             for (int i = g * GS / 2; i < (g + 1) * GS / 2; i++) {
                 vf16 even, odd;
@@ -493,7 +493,8 @@ int paged_attention(const void *q, const void *k_cache, const void *v_cache, con
                     int q_row_stride, int out_row_stride, float scale, int dtype, const int32_t *int8_rows,
                     int int8_block_size, int int8_group) {
     const int G = num_heads / num_kv_heads, D = head_dim;
-    if (D % 16 != 0 || (int8_rows != NULL && (int8_group % 16 != 0 || D % int8_group != 0))) return -1;
+    if (D % 16 != 0 || (int8_rows != NULL && (int8_group < 16 || int8_group % 16 != 0 || D % int8_group != 0)))
+        return -1;
     /* Work items enumerated through a prefix sum over requests. */
     int *first_item = malloc(sizeof(int) * (size_t)(num_requests + 1));
     first_item[0] = 0;
@@ -631,6 +632,7 @@ void write_kv_cache_int8(const void *k, const void *v, const int64_t *slot_mappi
                          int num_tokens, int k_row_stride, int v_row_stride, int num_kv_heads, int head_dim,
                          int block_size, int int8_block_size, int int8_group, int elem_size) {
     const int D = head_dim, ibs = int8_block_size, dtype = elem_size == 2;
+    if (int8_group < 1 || D % int8_group != 0) return; /* the wrapper always passes a divisor */
     const size_t region = (size_t)block_size * D * elem_size;
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < num_tokens; t++) {
