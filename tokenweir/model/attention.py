@@ -155,15 +155,15 @@ class AttentionMetadata:
                 raise ValueError(f"int8_rows has {len(int8_rows)} entries for {len(query_lens)} requests")
             if int8_block_size < 2:
                 raise ValueError(f"int8_rows needs int8_block_size >= 2 (tokens per int8 block), got {int8_block_size}")
-            if not any(int8_rows):
-                int8_rows = None  # the model-dtype step (but int8_block_size is kept: see _decode_attention)
+            int8_rows = [bool(i) for i in int8_rows] if any(int8_rows) else None
+            # (None: the model-dtype step, though int8_block_size is kept: see _decode_attention)
         slots: list[int] = []
         int8_slots: list[int] = []
         starts = [0]
         for r, (qlen, slen, table) in enumerate(zip(query_lens, seq_lens, block_tables)):
             if qlen < 1 or slen < qlen:
                 raise ValueError(f"request {r}: query_len {qlen} and seq_len {slen} are inconsistent")
-            is_int8 = int8_rows is not None and bool(int8_rows[r])
+            is_int8 = int8_rows is not None and int8_rows[r]
             bs = int8_block_size if is_int8 else block_size
             if len(table) * bs < slen:
                 kind = f"int8 blocks of {bs}" if is_int8 else "blocks"
@@ -194,8 +194,8 @@ class AttentionMetadata:
             int8_block_size=int8_block_size,
             **({} if int8_rows is None else dict(
                 int8_slot_mapping=torch.tensor(int8_slots, dtype=torch.int64, device=device),
-                int8_rows=torch.tensor([bool(i) for i in int8_rows], dtype=torch.int32, device=device),
-                _int8=[bool(i) for i in int8_rows],
+                int8_rows=torch.tensor(int8_rows, dtype=torch.int32, device=device),
+                _int8=int8_rows,
             )),
         )
 
