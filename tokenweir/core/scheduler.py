@@ -240,8 +240,10 @@ class Scheduler:
         (with `status_message` saying why) rather than blocking the queue behind it."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens or request.output_token_ids:
-            # A request object that ran before (aborted, finished) carries its progress: a new one must be built.
+        if (request.status is not RequestStatus.WAITING or request.num_computed_tokens
+                or request.num_output_tokens != request.num_restored_output_tokens):
+            # A request object that ran before (aborted, finished) carries its progress: a new one must be
+            # built. Outputs restored from another engine (failover) are the one progress it may arrive with.
             raise ValueError(f"request {request.request_id!r} has been scheduled before ({request.status.name}, "
                              f"{request.num_computed_tokens} tokens computed): add a new Request")
         if request.num_prompt_tokens > self.max_model_len:

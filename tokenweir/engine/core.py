@@ -17,7 +17,6 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from tokenweir.checks import is_integer
 from tokenweir.config import EngineArgs
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
 from tokenweir.core.kv_cache_manager import int8_tokens_per_block
@@ -28,7 +27,8 @@ from tokenweir.machine import cpu_name
 from tokenweir.model.arch import kv_cache_bytes_per_block
 from tokenweir.model.loader import LoadedModel, load_model, sampling_defaults
 from tokenweir.model.runner import ModelRunner
-from tokenweir.request import ParameterError, Request, SamplingParams, SchedulingHints
+from tokenweir.engine.request_checks import check_prompt, check_resume, checked_params, tokenize
+from tokenweir.request import Request, ResumeState, SamplingParams, SchedulingHints
 
 logger = logging.getLogger("tokenweir")
 
@@ -149,56 +149,32 @@ class EngineCore:
 
     # ------------------------------------------------------------------ requests
 
-    def tokenize(self, prompt: Union[str, list[int]]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=True)
-        if not isinstance(prompt, (list, tuple)):
-            raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        return list(prompt)
-
-    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        """The engine's one prompt check (the scheduler and Request never see a bad prompt)."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        if len(prompt_token_ids) > self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, more than "
-                             f"max_model_len ({self.max_model_len})")
-        vocab = self.loaded.arch.vocab_size
-        bad = [t for t in prompt_token_ids if not is_integer(t) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-
     def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                     hints: SchedulingHints = SchedulingHints(), *,
-                    prompt_text: Optional[str] = None) -> Request:
+                    prompt_text: Optional[str] = None, resume: Optional[ResumeState] = None) -> Request:
         """Validate and queue a request; raises ValueError with a precise message on bad input.
+        `resume`: the outputs a client already has of it from another engine (failover), which
+        it continues from.
 
         Atomic: everything that can fail (checks, tokenization, the output state) happens before
         the scheduler sees the request, so a raise leaves nothing behind.
         """
         if request_id in self.states:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if not isinstance(hints, SchedulingHints):
-            raise ValueError(f"hints must be SchedulingHints, got {type(hints).__name__}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        # A copy, built (so checked) again: the caller may have changed its object since making
-        # it, and may change it while the request runs; the request must see neither.
-        params = dataclasses.replace(params)
-        prompt_token_ids = self.tokenize(prompt)
-        self.validate_prompt(prompt_token_ids)
         vocab = self.loaded.arch.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ParameterError("stop_token_ids", f"stop_token_ids must be token ids below the vocabulary size ({vocab}), "
-                             f"got {params.stop_token_ids}")
-        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-            raise ParameterError("logit_bias", f"logit_bias must name token ids below the vocabulary size ({vocab}), "
-                                 f"got {sorted(t for t in params.logit_bias if t >= vocab)[:5]}")
+        params = checked_params(params, hints, vocab)
+        prompt_token_ids = tokenize(self.tokenizer, prompt)
+        check_prompt(prompt_token_ids, vocab, self.max_model_len)
+        check_resume(resume, params, vocab)
         request = Request(request_id=request_id, prompt_token_ids=prompt_token_ids,
                           sampling_params=self._with_eos_stop_ids(params),
                           arrival_time=self.clock() if hints.arrival_time is None else hints.arrival_time,
                           eos_token_id=self.loaded.arch.eos_token_id, hints=hints)
+        if resume is not None:
+            request.restore_outputs(resume.output_token_ids)
         state = self.output_processor.new_state(request, prompt if isinstance(prompt, str) else prompt_text)
+        if resume is not None:
+            self.output_processor.restore_state(state, resume)
         self.scheduler.add_request(request)  # queues it or raises, nothing in between
         self.states[request_id] = state
         return request

@@ -23,7 +23,7 @@ from tokenweir.engine.client import RequestFailedError
 from tokenweir.engine.core import EngineCore
 from tokenweir.engine.output import RequestOutput
 from tokenweir.engine.step_trace import StepTrace
-from tokenweir.request import SamplingParams, SchedulingHints
+from tokenweir.request import ResumeState, SamplingParams, SchedulingHints
 
 logger = logging.getLogger("tokenweir")
 
@@ -35,6 +35,7 @@ class AddCommand:
     params: SamplingParams
     hints: SchedulingHints
     prompt_text: Optional[str]
+    resume: Optional[ResumeState] = None  # failover: what the client already has of it
 
 
 @dataclass
@@ -131,7 +132,7 @@ class CoreLoop:
     def _add(self, command: AddCommand) -> Optional[BaseException]:
         try:
             self.core.add_request(command.request_id, command.prompt, command.params, command.hints,
-                                  prompt_text=command.prompt_text)
+                                  prompt_text=command.prompt_text, resume=command.resume)
         except Exception as e:  # EngineCore.add_request is atomic: nothing was added
             if not isinstance(e, ValueError):
                 logger.exception("adding request %s failed", command.request_id)

@@ -28,7 +28,7 @@ import torch
 from tokenweir.core.scheduler import NewRequestData, SchedulerOutput
 from tokenweir.model.attention import AttentionMetadata, allocate_kv_caches
 from tokenweir.model.loader import LoadedModel
-from tokenweir.model.sampler import Sampler, SamplingMetadata, TokenHistory, bias_tensors
+from tokenweir.model.sampler import Sampler, SamplingMetadata, TokenHistory, advance_generator, bias_tensors
 from tokenweir.model.swap import HostKVCache
 from tokenweir.request import SamplingParams
 
@@ -91,6 +91,9 @@ class ModelRunner:
             generator = self.generators.get(new.request_id)
             if generator is None:
                 generator = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
+                # A request resumed with another engine's outputs (failover) goes on with its
+                # random stream after the draws its outputs took there.
+                advance_generator(generator, len(new.token_ids) - new.num_prompt_tokens)
         params = new.sampling_params
         return _RequestState(
             list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), params, generator,

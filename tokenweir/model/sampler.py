@@ -340,6 +340,13 @@ def _mask_beyond_top_k(values: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     return values.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
 
 
+def advance_generator(generator: torch.Generator, num_draws: int) -> None:
+    """Move a seeded row's generator past `num_draws` of `_draw`'s draws (one per sampled token),
+    drawn exactly as `_draw` draws them."""
+    for _ in range(num_draws):
+        torch.rand(1, generator=generator, device=generator.device)
+
+
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One column per row, with probability proportional to `probs` (inverse CDF).
 
