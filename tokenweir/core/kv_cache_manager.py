@@ -19,9 +19,28 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from tokenweir.core.block_hash import BlockHasher
+from tokenweir.core.block_hash import BlockHash, BlockHasher
 from tokenweir.core.block_pool import BlockPool, KVBlock
 from tokenweir.request import Request
+
+
+def extend_block_hashes(hasher: BlockHasher, hashes: list[BlockHash], tokens: Sequence[int], block_size: int,
+                        num_full: int, cache_salt: Optional[str], kv_int8: bool) -> None:
+    """Extend `hashes`, the keys of the first full blocks of `tokens`, to `num_full` blocks. The
+    one definition of a request's block keys: a cluster's router computes a prompt's with it to
+    ask which replica caches them."""
+    if len(hashes) >= num_full:
+        return
+    if hashes:
+        parent = hashes[-1]
+    else:
+        extra = (("cache_salt", cache_salt),) if cache_salt else ()
+        if kv_int8:
+            extra += (("kv_dtype", "int8"),)
+        parent = hasher.root(extra)
+    for i in range(len(hashes), num_full):
+        parent = hasher.hash_block(parent, tokens[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,22 +153,9 @@ class KVCacheManager:
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extend `request.block_hashes` to cover the full blocks among its first num_tokens."""
-        hashes = request.block_hashes
-        bs, hasher = self.tokens_per_block(request), self.hasher
-        num_full = num_tokens // bs
-        if len(hashes) >= num_full:
-            return
-        if hashes:
-            parent = hashes[-1]
-        else:
-            extra = (("cache_salt", request.cache_salt),) if request.cache_salt else ()
-            if request.kv_int8:
-                extra += (("kv_dtype", "int8"),)
-            parent = hasher.root(extra)
-        tokens = request.all_token_ids
-        for i in range(len(hashes), num_full):
-            parent = hasher.hash_block(parent, tokens[i * bs:(i + 1) * bs])
-            hashes.append(parent)
+        bs = self.tokens_per_block(request)
+        extend_block_hashes(self.hasher, request.block_hashes, request.all_token_ids, bs, num_tokens // bs,
+                            request.cache_salt, request.kv_int8)
 
     def get_computed_blocks(self, request: Request) -> tuple[KVCacheBlocks, int]:
         """The longest cached prefix of the request's tokens: (blocks, number of tokens).

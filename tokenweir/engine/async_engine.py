@@ -32,7 +32,7 @@ from tokenweir.config import EngineArgs
 from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine.client import DeadlineExceededError, EngineDeadError, ModelInfo
 from tokenweir.engine.core import EngineCore
-from tokenweir.engine.core_loop import AbortCommand, AddCommand, Command, CoreLoop, ShutdownCommand
+from tokenweir.engine.core_loop import AbortCommand, AddCommand, Command, CoreLoop, ShutdownCommand, take_commands
 from tokenweir.engine.output import RequestOutput
 from tokenweir.engine.step_trace import StepTrace
 from tokenweir.metrics import EngineMetrics, StatsLogger
@@ -368,15 +368,7 @@ class AsyncLLMEngine:
             logger.exception("cleaning up the engine after it stopped failed")
 
     def _next_commands(self, block: bool) -> list[Command]:
-        try:
-            commands = [self._commands.get(timeout=self._idle_wait_s) if block else self._commands.get_nowait()]
-        except queue.Empty:
-            return []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
+        return take_commands(self._commands, block, self._idle_wait_s)
 
     def _die(self, reason: BaseException) -> None:
         """The engine loop has ended: every request not finished yet fails with `reason`, and

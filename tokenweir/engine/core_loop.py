@@ -12,6 +12,7 @@ or expired, each step's size, and the scheduler's stats. The sink is the server-
 from __future__ import annotations
 
 import logging
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, Protocol, Union
@@ -65,6 +66,20 @@ class EngineSink(Protocol):
 
 # Returns the queued commands, waiting for the first one if `block` (up to the idle wait).
 CommandSource = Callable[[bool], list[Command]]
+
+
+def take_commands(commands: queue.SimpleQueue, block: bool, wait_s: Optional[float]) -> list:
+    """A CommandSource's work over a thread-safe queue (or any such queue's): everything queued,
+    waiting up to `wait_s` (None: for ever) for the first item if `block`."""
+    try:
+        taken = [commands.get(timeout=wait_s) if block else commands.get_nowait()]
+    except queue.Empty:
+        return []
+    while True:
+        try:
+            taken.append(commands.get_nowait())
+        except queue.Empty:
+            return taken
 
 
 class CoreLoop:

@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from tokenweir.config import EngineArgs
 from tokenweir.core.scheduler import SchedulerStats
@@ -59,12 +59,13 @@ class _Exit:
     error: Optional[BaseException] = None  # why loading failed, raised again in the server's process
 
 
-class _ShippingSink:
-    """The sink inside the engine process: records the loop's calls, sends them on flush;
-    outputs go as deltas (output_delta.py)."""
+class ShippingSink:
+    """A sink away from the front (the engine process; a cluster's replica): records the loop's
+    calls and sends them as one batch on flush; outputs go as deltas (output_delta.py). `send`
+    raises OSError once nobody receives any more."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
+    def __init__(self, send: Callable[[list[tuple[str, tuple]]], None]) -> None:
+        self.send = send
         self.calls: list[tuple[str, tuple]] = []
         self.deltas = OutputDeltaEncoder()
         self.server_gone = False
@@ -75,7 +76,7 @@ class _ShippingSink:
             if self.server_gone:
                 return
             try:
-                self.conn.send(calls)
+                self.send(calls)
             except OSError:  # the server's process is gone: the command pipe's EOF stops the loop
                 self.server_gone = True
                 logger.info("the server's process is gone; the engine process stops")
@@ -143,7 +144,7 @@ def run_engine_process(args: EngineArgs, step_trace_path: Optional[str], idle_wa
     events.send(EngineInfo(ModelInfo(core.served_model_name, core.max_model_len, core.loaded.arch.vocab_size,
                                      core.default_sampling_params),
                            core.tokenizer, core.scheduler_config.max_num_batched_tokens, core.get_stats(), frozen))
-    sink = _ShippingSink(events)
+    sink = ShippingSink(events.send)
     loop = CoreLoop(core, sink, step_trace, flush=sink.flush)
     reason: Optional[str] = None
     try:

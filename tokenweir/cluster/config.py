@@ -1,0 +1,72 @@
+"""ClusterConfig: the flags of `tokenweir serve --data-parallel-size N` (vLLM's name for N)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tokenweir.checks import is_finite_number, is_integer
+from tokenweir.cluster.routing import ROUTERS, RouterConfig
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    data_parallel_size: int = 1  # replicas, each an engine in a Ray actor (1: no cluster)
+    ray_address: Optional[str] = None  # None: start a local Ray on loopback; else join this cluster
+    routing_policy: str = "prefix_affinity"
+    router: RouterConfig = field(default_factory=RouterConfig)
+    # Requests a replica may hold that it has not started (waiting there or on their way): the
+    # rest wait in the coordinator's global queue, so a request is routed when a replica can
+    # take it, with the freshest load and cache reports, and never sits behind a dead replica.
+    dispatch_queue_depth: int = 2
+    # A replica whose step has run this long, or that has not answered a poll this long after
+    # it was due, is hung: it is killed and its requests go on elsewhere.
+    replica_hang_timeout: float = 30.0
+    # Seconds to wait for a replica to load its model (first start and restarts).
+    replica_startup_timeout: float = 600.0
+    # Restarts of one replica slot in a row that may fail before the slot is given up.
+    max_replica_restarts: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("data_parallel_size", "dispatch_queue_depth"):
+            if not is_integer(getattr(self, name)) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if not is_integer(self.max_replica_restarts) or self.max_replica_restarts < 0:
+            raise ValueError(f"max_replica_restarts must be an integer >= 0, got {self.max_replica_restarts!r}")
+        if self.routing_policy not in ROUTERS:
+            raise ValueError(f"unknown routing policy {self.routing_policy!r}; choose one of {sorted(ROUTERS)}")
+        for name in ("replica_hang_timeout", "replica_startup_timeout"):
+            value = getattr(self, name)
+            if not is_finite_number(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+
+
+def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    defaults, router = ClusterConfig(), RouterConfig()
+    group = parser.add_argument_group("multi-replica serving (Ray)")
+    group.add_argument("--data-parallel-size", "-dp", type=int, default=defaults.data_parallel_size,
+                       help="serve from this many engine replicas, each a Ray actor, behind one global queue")
+    group.add_argument("--ray-address", default=None,
+                       help="join this Ray cluster (default: start a local one on 127.0.0.1, stopped on exit)")
+    group.add_argument("--routing-policy", default=defaults.routing_policy, choices=sorted(ROUTERS),
+                       help="which replica a request goes to (default %(default)s)")
+    group.add_argument("--routing-balance-abs-threshold", type=int, default=router.balance_abs_threshold,
+                       help="prefix_affinity: follow the cache only to replicas with at most this many more "
+                            "requests than the least loaded (default %(default)s) ...")
+    group.add_argument("--routing-balance-rel-threshold", type=float, default=router.balance_rel_threshold,
+                       help="... or at most this many times as many (default %(default)s)")
+    group.add_argument("--dispatch-queue-depth", type=int, default=defaults.dispatch_queue_depth,
+                       help="requests a replica may hold before starting them; the rest wait in the global "
+                            "queue (default %(default)s)")
+    group.add_argument("--replica-hang-timeout", type=float, default=defaults.replica_hang_timeout,
+                       help="seconds after which a replica stuck in a step or silent is killed and its requests "
+                            "continue on another (default %(default)s)")
+
+
+def cluster_config_from(ns: argparse.Namespace) -> ClusterConfig:
+    return ClusterConfig(
+        data_parallel_size=ns.data_parallel_size, ray_address=ns.ray_address, routing_policy=ns.routing_policy,
+        router=RouterConfig(balance_abs_threshold=ns.routing_balance_abs_threshold,
+                            balance_rel_threshold=ns.routing_balance_rel_threshold),
+        dispatch_queue_depth=ns.dispatch_queue_depth, replica_hang_timeout=ns.replica_hang_timeout)
