@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenweir.server.args import add_server_args
 
     add_server_args(serve)
+    from tokenweir.cluster.config import add_cluster_args
+
+    add_cluster_args(serve)
     serve.set_defaults(func=_serve)
 
     prof = sub.add_parser("profile", help="measure this device's step times and fit the simulator's cost model")

@@ -99,6 +99,7 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
 
 def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
     """`tokenweir serve`: load the model, then serve until interrupted."""
+    from tokenweir.cluster.config import cluster_config_from
     from tokenweir.engine.async_engine import AsyncLLMEngine
     from tokenweir.engine.core_process import MPAsyncLLMEngine
     from tokenweir.engine.gc_heap import freeze_startup_heap
@@ -107,7 +108,15 @@ def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
     api_keys = load_api_keys(ns.api_keys_file) if ns.api_keys_file is not None else None  # before the load
     step_trace = None
     engine: AsyncLLMEngine
-    if ns.engine_in_process:
+    cluster = cluster_config_from(ns)
+    if cluster.data_parallel_size > 1:
+        from tokenweir.cluster.coordinator import ClusterEngine
+
+        if ns.engine_in_process or ns.step_trace:
+            raise SystemExit("--data-parallel-size > 1 runs each engine in a replica of its own: "
+                             "--engine-in-process and --step-trace apply to a single engine")
+        engine = ClusterEngine(engine_args, cluster)
+    elif ns.engine_in_process:
         step_trace = StepTrace(ns.step_trace) if ns.step_trace else None
         engine = AsyncLLMEngine.from_engine_args(engine_args, step_trace)
         if step_trace is not None:
