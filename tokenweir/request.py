@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 import sys
 from dataclasses import dataclass, field, fields
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 from tokenweir.checks import is_finite_number, is_integer
 
@@ -286,11 +286,17 @@ class ResumeState:
     """What a client was already given of a request that another engine ran (failover): the
     request continues from it as if preempted by recompute, so the tokens, text, logprobs and a
     seeded request's random stream carry on where the stream stopped, with none repeated or
-    skipped. `logprobs` is None when the request asked for none."""
+    skipped. `logprobs` is None when the request asked for none. The times (None where the
+    engines' clocks differ) and preemption count carry the request's own metrics and SLO state
+    over; the failover counts as one more preemption."""
 
     output_token_ids: tuple[int, ...]
     logprobs: Optional[tuple[dict[int, float], ...]] = None
     cumulative_logprob: float = 0.0
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    last_token_time: Optional[float] = None
+    num_preemptions: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -323,7 +329,7 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     # Its K/V are stored in int8 (a low-priority request; the KV cache manager decides when it is added).
     kv_int8: bool = False
-    # Output tokens it was created with (`restore_outputs`: another engine produced them).
+    # Output tokens it was created with (`restore`: another engine produced them).
     num_restored_output_tokens: int = 0
     # Timestamps.
     first_scheduled_time: Optional[float] = None
@@ -420,22 +426,35 @@ class Request:
     def finish_reason(self) -> Optional[FinishReason]:
         return _FINISH_REASONS.get(self.status)
 
-    def restore_outputs(self, output_token_ids: Sequence[int]) -> None:
+    def restore(self, resume: ResumeState) -> None:
         """Before the request is queued: give it the outputs another engine already produced
         (failover). It then waits as a request preempted by recompute does: every token is
-        computed again and the next one sampled after them; max_tokens and min_tokens still
-        count from its first output."""
+        computed again (fair share does not charge them twice) and the next one sampled after
+        them; max_tokens and min_tokens still count from its first output."""
         if self.status is not RequestStatus.WAITING or self.num_computed_tokens or self.output_token_ids:
             raise ValueError(f"request {self.request_id!r}: outputs can only be restored before it is queued")
-        tokens = list(output_token_ids)
+        tokens = list(resume.output_token_ids)
         if not tokens or not all(is_integer(t) and t >= 0 for t in tokens):
             raise ValueError(f"request {self.request_id!r}: restored outputs must be token ids, got {tokens[:5]}")
         if len(self.all_token_ids) + len(tokens) >= self.max_num_tokens:
             raise ValueError(f"request {self.request_id!r}: {len(tokens)} restored outputs leave no token of its "
                              f"max_tokens ({self.sampling_params.max_tokens}) to generate")
+        if (resume.first_token_time is None) != (resume.last_token_time is None):
+            raise ValueError(f"request {self.request_id!r}: a resume state has both first and last token times or neither")
+        for name in ("first_scheduled_time", "first_token_time", "last_token_time"):
+            value = getattr(resume, name)
+            if value is not None and not is_finite_number(value):
+                raise ValueError(f"request {self.request_id!r}: {name} must be a finite number or None, got {value!r}")
+        if not is_integer(resume.num_preemptions) or resume.num_preemptions < 0:
+            raise ValueError(f"request {self.request_id!r}: num_preemptions must be an integer >= 0, "
+                             f"got {resume.num_preemptions!r}")
         self.output_token_ids = tokens
         self.all_token_ids.extend(tokens)
         self.num_restored_output_tokens = len(tokens)
+        self.max_computed_tokens = len(self.all_token_ids) - 1  # the newest token's K/V were never computed
+        self.num_preemptions = resume.num_preemptions + 1
+        self.first_scheduled_time = resume.first_scheduled_time
+        self.first_token_time, self.last_token_time = resume.first_token_time, resume.last_token_time
 
     def append_output_token(self, token_id: int, now: float) -> bool:
         """Append a sampled token; whether it may have finished the request (its length or a

@@ -10,6 +10,7 @@ import asyncio
 import ipaddress
 import os
 import signal
+import time
 
 import pytest
 
@@ -75,17 +76,17 @@ def test_prefix_affinity_sends_a_shared_prefix_where_it_is_cached(cluster):
 
 def kill_busiest_when(cluster, sig: int, progress: dict[str, int], minimum: int):
     """An on_progress callback that sends `sig` to the replica holding most requests, once every
-    request has streamed `minimum` tokens. Returns (callback, the pid it signalled)."""
-    killed: list[int] = []
+    request has streamed `minimum` tokens. Returns (callback, [the pid it signalled, when])."""
+    killed: list = []
 
     def on_progress(rid: str, n: int) -> None:
         progress[rid] = n
         if not killed and len(progress) == len(PROMPTS) and min(progress.values()) >= minimum:
-            slots = cluster._slots  # which replica holds most: the test picks the worst case
-            slot = max((s for s in slots if s.up), key=lambda s: len(s.requests))
-            assert slot.requests, "no replica holds a running request"
-            killed.append(slot.info.pid)
-            os.kill(slot.info.pid, sig)
+            counts, pids = cluster.replica_num_requests(), cluster.replica_pids()
+            busiest = max(range(len(counts)), key=counts.__getitem__)
+            assert counts[busiest] and pids[busiest] is not None, (counts, pids)
+            killed.extend([pids[busiest], time.monotonic()])
+            os.kill(pids[busiest], sig)
     return on_progress, killed
 
 
@@ -102,12 +103,15 @@ def test_failover_continues_every_stream_without_repeating_or_skipping(cluster, 
         if killed and sig == signal.SIGSTOP:
             os.kill(killed[0], signal.SIGCONT)  # let the killed-by-now process exit (or the test's end)
     assert killed, "the failure was never injected"
+    killed_at = killed[1]
     for rid in requests:
         final, seen = results[f"{rid}-f"]
         expected = undisturbed[rid][0].outputs[0]
         # Greedy and seeded alike: the same tokens as without the failure, each streamed once.
         assert final.finished and seen == final.outputs[0].token_ids == expected.token_ids
         assert final.outputs[0].text == expected.text
+        # A resumed request keeps its first token's time (every stream had tokens before the kill).
+        assert final.metrics.first_token_time is not None and final.metrics.first_token_time < killed_at
         if rid in ("r1", "r4"):
             assert [list(e) for e in final.outputs[0].logprobs] == [list(e) for e in expected.logprobs]
         else:
@@ -154,3 +158,44 @@ def test_the_local_ray_listens_on_loopback_only(cluster):
     for c in listening:
         ip = ipaddress.ip_address(c.laddr.ip)
         assert (getattr(ip, "ipv4_mapped", None) or ip).is_loopback, c
+
+
+def test_an_id_reused_at_once_after_an_abort_gets_its_own_answer(cluster, oracle):
+    long = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
+
+    async def main():
+        await stream(cluster, "warm", PROMPTS["r3"], SamplingParams(max_tokens=1))  # one replica caches r3
+        old = await cluster.add_request("same", PROMPTS["r3"], long)  # there, by prefix affinity
+        await old.__anext__()
+        await old.aclose()  # aborts it; the replica still runs it for a moment
+        # The same prompt, to the same replica (its cache), which may still hold the old one.
+        return await stream(cluster, "same", PROMPTS["r3"], GREEDY)
+    final, seen = asyncio.run(main())
+    assert final.finished and final.outputs[0].finish_reason == "length"
+    assert seen == final.outputs[0].token_ids == oracle["r3"]
+
+
+def test_a_request_on_too_many_lost_replicas_fails_and_the_cluster_goes_on(cluster, oracle):
+    from tokenweir.engine.client import RequestFailedError
+
+    params = SamplingParams(max_tokens=230, ignore_eos=True, temperature=0.0)
+    losses = cluster.cluster.max_request_failovers + 1
+
+    async def main():
+        outputs = await cluster.add_request("poison", PROMPTS["r0"], params)
+        kills, seen_at_kill = 0, -1
+        with pytest.raises(RequestFailedError, match=f"on {losses} replicas that were lost"):
+            async for output in outputs:
+                n = len(output.outputs[0].token_ids)
+                # Each time it streams again after a loss, kill the replica that holds it.
+                if kills < losses and n > seen_at_kill + 1:
+                    counts, pids = cluster.replica_num_requests(), cluster.replica_pids()
+                    holder = next((i for i, c in enumerate(counts) if c), None)
+                    if holder is not None and pids[holder] is not None:
+                        os.kill(pids[holder], signal.SIGKILL)
+                        kills, seen_at_kill = kills + 1, n
+        assert kills == losses
+    asyncio.run(main())
+    wait_until(lambda: None not in cluster.replica_pids(), "the replicas' restarts", 120.0)
+    final, _ = run_all(cluster, {"after": (PROMPTS["r2"], GREEDY)})["after"]
+    assert final.outputs[0].token_ids == oracle["r2"]

@@ -10,6 +10,9 @@ from tokenweir.checks import is_finite_number, is_integer
 from tokenweir.cluster.routing import ROUTERS, RouterConfig
 
 
+MIN_HANG_TIMEOUT_S = 2.0
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
     data_parallel_size: int = 1  # replicas, each an engine in a Ray actor (1: no cluster)
@@ -20,26 +23,35 @@ class ClusterConfig:
     # rest wait in the coordinator's global queue, so a request is routed when a replica can
     # take it, with the freshest load and cache reports, and never sits behind a dead replica.
     dispatch_queue_depth: int = 2
-    # A replica whose step has run this long, or that has not answered a poll this long after
-    # it was due, is hung: it is killed and its requests go on elsewhere.
+    # A replica whose engine loop has been stuck this long (in a step or anywhere else), or
+    # that has not answered a poll this long after it was due, is hung: it is killed and its
+    # requests go on elsewhere.
     replica_hang_timeout: float = 30.0
     # Seconds to wait for a replica to load its model (first start and restarts).
     replica_startup_timeout: float = 600.0
     # Restarts of one replica slot in a row that may fail before the slot is given up.
     max_replica_restarts: int = 3
+    # Times a request goes on after the replica it was on is lost; at the next loss it fails
+    # (a request that kills every replica it reaches must not take the cluster down in turn).
+    max_request_failovers: int = 2
 
     def __post_init__(self) -> None:
         for name in ("data_parallel_size", "dispatch_queue_depth"):
             if not is_integer(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if not is_integer(self.max_replica_restarts) or self.max_replica_restarts < 0:
-            raise ValueError(f"max_replica_restarts must be an integer >= 0, got {self.max_replica_restarts!r}")
+        for name in ("max_replica_restarts", "max_request_failovers"):
+            if not is_integer(getattr(self, name)) or getattr(self, name) < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.routing_policy not in ROUTERS:
             raise ValueError(f"unknown routing policy {self.routing_policy!r}; choose one of {sorted(ROUTERS)}")
-        for name in ("replica_hang_timeout", "replica_startup_timeout"):
-            value = getattr(self, name)
-            if not is_finite_number(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not is_finite_number(self.replica_startup_timeout) or self.replica_startup_timeout <= 0:
+            raise ValueError(f"replica_startup_timeout must be a positive number of seconds, "
+                             f"got {self.replica_startup_timeout!r}")
+        # An idle replica's loop goes round once a second (replica.IDLE_WAIT_S): a shorter bound
+        # would take an idle replica for a hung one.
+        if not is_finite_number(self.replica_hang_timeout) or self.replica_hang_timeout < MIN_HANG_TIMEOUT_S:
+            raise ValueError(f"replica_hang_timeout must be a number of seconds >= {MIN_HANG_TIMEOUT_S:g}, "
+                             f"got {self.replica_hang_timeout!r}")
 
 
 def add_cluster_args(parser: argparse.ArgumentParser) -> None:

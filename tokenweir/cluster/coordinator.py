@@ -13,19 +13,27 @@ it, one coordinator thread owns everything else and is the only one to touch it:
   half second; a prompt routed there counts at once). A prompt's keys are the replicas' own
   (core/kv_cache_manager.extend_block_hashes, keyed alike), so a match is a real hit.
 - **Replicas.** Each is an `EngineReplica` actor running the engine loop; a poller thread per
-  replica long-polls it (one Ray call per batch of steps) and hands the batches to the
-  coordinator, which replays them onto the front, outputs as deltas.
-- **Failover.** A replica whose actor dies (its process killed) or hangs (a step running longer
-  than `replica_hang_timeout`, or no answer to a poll that long after it was due) is killed and
-  its requests go back to the front of the global queue, each with what its client already has
-  (ResumeState: tokens, logprobs). The next replica continues them as a recompute preemption
-  would (Request.restore_outputs), so a stream neither repeats nor skips a token, greedy output
-  is what it would have been, and a seeded request keeps its random stream. A request not yet
-  started simply starts elsewhere. The replica is restarted in the background.
+  replica long-polls it (a Ray call returns everything the loop flushed since the last, about
+  twice a step while busy, not once per token) and hands the batches to the coordinator, which
+  replays them onto the front, outputs as deltas. Requests travel to replicas under ids of
+  their own (one per dispatch), so a client may reuse an id while its aborted predecessor is
+  still winding down on a replica.
+- **Failover.** A replica whose actor dies (its process killed), whose engine loop dies, or that
+  hangs (its loop stuck, in a step or elsewhere, longer than `replica_hang_timeout`, or no
+  answer to a poll that long after it was due), or whose report cannot be read, is killed, and
+  its requests go back to the global queue (`push_front`: ahead of the rest where the policy's
+  order allows), each with what its client already has (ResumeState: tokens, logprobs, times).
+  The next replica continues them as a recompute preemption would (Request.restore), so a
+  stream neither repeats nor skips a token, greedy output is what it would have been, and a
+  seeded request keeps its random stream. A request not yet started simply starts elsewhere.
+  One that was on `max_request_failovers` + 1 lost replicas fails instead (it may be what
+  kills them). The replica is restarted in the background.
 
 Time: on a local Ray (one machine, one monotonic clock) the coordinator stamps each request's
-arrival, so replicas' TTFTs count the global queue and any failover; joining a remote cluster
-(--ray-address), each replica stamps its own.
+arrival (unless the caller did), so replicas' TTFTs count the global queue and any failover, and
+a resumed request keeps its first-token and last-token times. Joining a remote cluster
+(--ray-address), where clocks differ, each replica stamps its own arrivals (a caller's time is
+dropped) and a resumed request's times start again.
 """
 
 from __future__ import annotations
@@ -37,7 +45,9 @@ import os
 import queue
 import threading
 import time
+import itertools
 from dataclasses import dataclass, field
+from collections import Counter
 from typing import Any, Optional
 
 from tokenweir.cluster.config import ClusterConfig
@@ -81,14 +91,35 @@ def start_ray(config: ClusterConfig) -> bool:
 
 @dataclass
 class _Entry:
-    """A request the coordinator holds: queued, or on a replica."""
+    """A live request the coordinator holds: queued, or on a replica."""
 
     command: AddCommand  # checked, its prompt as token ids
     request: Request  # for the global queue's policy
     route: RouteRequest
     slot: Optional[int] = None  # the replica it is on; None while queued
+    dispatch_id: str = ""  # its id on that replica (a new one for every dispatch)
     last: Optional[RequestOutput] = None  # the newest output its client was given
-    aborted: bool = False
+    last_output_time: Optional[float] = None  # when that output reached the front
+    num_failovers: int = 0  # replicas lost while it was on them
+
+
+class _CacheView:
+    """What the router reads as a replica's cache: the keys it last reported, and those of the
+    prompts it holds now (waiting there or running, so cached or about to be), which a report
+    taken before their prefill lacks."""
+
+    def __init__(self) -> None:
+        self.reported: frozenset[BlockHash] = frozenset()
+        self.held: Counter[BlockHash] = Counter()
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.held or key in self.reported
+
+    def hold(self, keys: list[BlockHash], sign: int) -> None:
+        for key in keys:
+            self.held[key] += sign
+            if not self.held[key]:
+                del self.held[key]
 
 
 @dataclass
@@ -103,10 +134,12 @@ class _Slot:
     stats: Optional[SchedulerStats] = None
     num_waiting: int = 0
     step_time_s: float = 0.0
-    in_transit: set[str] = field(default_factory=set)  # sent, not acknowledged yet
-    requests: set[str] = field(default_factory=set)
+    in_transit: set[str] = field(default_factory=set)  # dispatch ids sent, not acknowledged yet
+    # Dispatch ids aborted there whose final output has not come back: an abort that overtook
+    # its add (an actor's threads run calls in any order) is sent again on the add's ack.
+    aborting: set[str] = field(default_factory=set)
     decoder: OutputDeltaDecoder = field(default_factory=OutputDeltaDecoder)
-    cached_blocks: set[BlockHash] = field(default_factory=set)
+    cache: _CacheView = field(default_factory=_CacheView)
     failed_starts: int = 0  # in a row
 
 
@@ -119,34 +152,36 @@ class ClusterEngine(AsyncLLMEngine):
 
         self.args, self.cluster = args, cluster
         self._owns_ray = start_ray(cluster)
-        # Each replica's torch threads: the machine's cores shared out (at least one each).
-        self._num_threads = max(1, (os.cpu_count() or 1) // cluster.data_parallel_size)
-        self._actor_class = ray.remote(num_cpus=1, max_concurrency=4, max_restarts=0)(EngineReplica)
-        actors = [self._actor_class.remote(args, self._num_threads) for _ in range(cluster.data_parallel_size)]
+        self._stopping = threading.Event()
+        self._starters: list[threading.Thread] = []
+        self._actor_class = self._replica_actor_class()
+        actors = [self._new_replica() for _ in range(cluster.data_parallel_size)]
         try:
             infos: list[ReplicaInfo] = ray.get([a.info.remote() for a in actors],
                                                timeout=cluster.replica_startup_timeout)
+            first = infos[0]
+            self._init_front(first.model_info, copy.deepcopy(first.tokenizer), args,
+                             first.scheduler_config.max_num_batched_tokens,
+                             merge_stats([i.stats for i in infos], None, 0), log_stats, stats_interval_s,
+                             time.monotonic)
+            # The coordinator thread's own: the server's threads use `self.tokenizer`.
+            self._check_tokenizer = copy.deepcopy(first.tokenizer)
+            self._cache_config = first.cache_config
+            self._hasher = BlockHasher(first.cache_config.prefix_cache_hash_key)
+            self._policy = create_policy(first.scheduler_config.policy, first.scheduler_config.policy_config)
+            self._queue = self._policy.make_waiting_queue()
+            self._router = create_router(cluster.routing_policy, cluster.router)
         except BaseException:
             for actor in actors:
-                ray.kill(actor)
+                _kill(actor)
             if self._owns_ray:
                 ray.shutdown()
             raise
-        first = infos[0]
-        self._init_front(first.model_info, copy.deepcopy(first.tokenizer), args,
-                         first.scheduler_config.max_num_batched_tokens,
-                         merge_stats([i.stats for i in infos], None, 0), log_stats, stats_interval_s, time.monotonic)
-        # The coordinator thread's own: the server's threads use `self.tokenizer`.
-        self._check_tokenizer = copy.deepcopy(first.tokenizer)
-        self._cache_config = first.cache_config
-        self._hasher = BlockHasher(first.cache_config.prefix_cache_hash_key)
-        self._policy = create_policy(first.scheduler_config.policy, first.scheduler_config.policy_config)
-        self._queue = self._policy.make_waiting_queue()
-        self._router = create_router(cluster.routing_policy, cluster.router)
-        self._entries: dict[str, _Entry] = {}
+        self._entries: dict[str, _Entry] = {}  # by the client's request id
+        self._dispatched: dict[str, _Entry] = {}  # by dispatch id
+        self._dispatch_ids = itertools.count()
         self._retired: Optional[SchedulerStats] = None  # the counters of replicas gone
         self._events: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-        self._stopping = threading.Event()
         self._pollers: list[threading.Thread] = []
         self._slots = [_Slot(i) for i in range(cluster.data_parallel_size)]
         for slot, actor, info in zip(self._slots, actors, infos):
@@ -155,6 +190,22 @@ class ClusterEngine(AsyncLLMEngine):
                     len(self._slots), cluster.routing_policy, cluster.dispatch_queue_depth, self._num_threads)
         self._thread = threading.Thread(target=self._run, name="tokenweir-coordinator", daemon=True)
         self._thread.start()
+
+    def _replica_actor_class(self) -> Any:
+        """EngineReplica as a Ray actor: a CPU slot each, the machine's cores shared out as
+        torch and OpenMP threads (Ray would set OMP_NUM_THREADS=1), and a GPU each when the
+        engine is to run on CUDA and the cluster has GPUs."""
+        import ray
+
+        self._num_threads = max(1, len(os.sched_getaffinity(0)) // self.cluster.data_parallel_size)
+        num_gpus = 1 if self.args.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1 else 0
+        if self.args.device == "cuda" and not num_gpus:
+            raise ValueError("device 'cuda' with --data-parallel-size > 1: the Ray cluster has no GPU")
+        return ray.remote(num_cpus=1, num_gpus=num_gpus, max_concurrency=4, max_restarts=0,
+                          runtime_env={"env_vars": {"OMP_NUM_THREADS": str(self._num_threads)}})(EngineReplica)
+
+    def _new_replica(self) -> Any:
+        return self._actor_class.remote(self.args, self._num_threads)
 
     # ================================================================ event-loop API
 
@@ -171,6 +222,15 @@ class ClusterEngine(AsyncLLMEngine):
     def replica_stats(self) -> list[Optional[SchedulerStats]]:
         """Each replica slot's latest stats (None while it is down)."""
         return [s.stats if s.up else None for s in self._slots]
+
+    def replica_num_requests(self) -> list[int]:
+        """How many live requests each replica slot holds now (a read from another thread:
+        a snapshot, for tests and benchmarks)."""
+        counts = [0] * len(self._slots)
+        for entry in list(self._dispatched.values()):
+            if entry.slot is not None:
+                counts[entry.slot] += 1
+        return counts
 
     def replica_held(self) -> list[dict[str, int]]:
         """What each live replica's engine holds (EngineReplica.held): all zeros when idle."""
@@ -203,6 +263,7 @@ class ClusterEngine(AsyncLLMEngine):
             reason = EngineDeadError(f"the cluster's coordinator died: {e!r}")
         self._die(reason)
         self._entries.clear()
+        self._dispatched.clear()
         self._stop_replicas()
 
     def _handle(self, event: tuple) -> bool:
@@ -217,7 +278,14 @@ class ClusterEngine(AsyncLLMEngine):
             else:
                 self._abort(command.request_id)
         elif kind == "report":
-            self._replay(*event[1:])
+            _, index, incarnation, report = event
+            slot = self._slots[index]
+            if slot.incarnation == incarnation and slot.up:  # else from a replica already given up
+                try:
+                    self._replay(slot, report)
+                except Exception as e:  # a report that cannot be read: the replica is not to be trusted
+                    logger.exception("replaying replica %d's report failed", index)
+                    self._lose(index, incarnation, f"its report could not be read: {e!r}")
         elif kind == "lost":
             self._lose(*event[1:])
         elif kind == "up":
@@ -226,6 +294,8 @@ class ClusterEngine(AsyncLLMEngine):
             if slot.incarnation == incarnation:
                 logger.info("replica %d restarted (pid %d)", index, info.pid)
                 self._bring_up(slot, actor, info)
+            else:
+                _kill(actor)
         elif kind == "start_failed":
             _, index, incarnation, why = event
             slot = self._slots[index]
@@ -248,10 +318,14 @@ class ClusterEngine(AsyncLLMEngine):
             prompt_ids = tokenize(self._check_tokenizer, command.prompt)
             check_prompt(prompt_ids, vocab, self.model_info.max_model_len)
             hints = command.hints
-            if hints.arrival_time is None and self.cluster.ray_address is None:
+            if self.cluster.ray_address is not None:
+                hints = dataclasses.replace(hints, arrival_time=None)  # the replicas' clocks are their own
+            elif hints.arrival_time is None:
                 hints = dataclasses.replace(hints, arrival_time=self._clock())
-            request = Request(rid, prompt_ids, params, arrival_time=self._clock() if hints.arrival_time is None
-                              else hints.arrival_time, hints=hints)
+            if rid in self._entries:  # (the front refuses a live id; this one's abort is still queued)
+                raise ValueError(f"request id {rid!r} is already in use")
+            request = Request(rid, prompt_ids, params, hints=hints,
+                              arrival_time=self._clock() if hints.arrival_time is None else hints.arrival_time)
         except ValueError as e:
             self.on_accepted(rid, e)
             return
@@ -277,24 +351,35 @@ class ClusterEngine(AsyncLLMEngine):
         return hashes
 
     def _abort(self, rid: str) -> None:
+        """End a request now, with what its client has; a replica running it is told to stop
+        and whatever it still sends for it is dropped."""
         entry = self._entries.get(rid)
         if entry is None:
             return  # finished, or never accepted
         if entry.slot is None:
             self._queue.remove(entry.request)
-            del self._entries[rid]
-            self._deliver(self._aborted_output(entry), self._clock())
         else:
-            entry.aborted = True
-            self._slots[entry.slot].actor.submit.remote([AbortCommand(rid)])
+            slot = self._slots[entry.slot]
+            slot.aborting.add(entry.dispatch_id)
+            slot.actor.submit.remote([AbortCommand(entry.dispatch_id)])
+        self._end(entry)
+        self._deliver(self._final_output(entry, "abort"), self._clock())
 
-    def _aborted_output(self, entry: _Entry) -> RequestOutput:
-        """The final output of a request aborted here (queued, or its replica lost): what its
-        client has, finished by abort."""
+    def _end(self, entry: _Entry) -> None:
+        """Forget a request: its final output is delivered by the caller."""
+        del self._entries[entry.command.request_id]
+        if entry.slot is not None:
+            del self._dispatched[entry.dispatch_id]
+            self._slots[entry.slot].cache.hold(entry.route.block_hashes, -1)
+            entry.slot = None
+
+    def _final_output(self, entry: _Entry, reason: str) -> RequestOutput:
+        """The final output of a request ended here (aborted, or failed over too often): what its
+        client has, finished for `reason`."""
         now = self._clock()
         last = entry.last
-        completion = (dataclasses.replace(last.outputs[0], finish_reason="abort", stop_reason=None) if last
-                      else CompletionOutput(index=0, text="", token_ids=[], finish_reason="abort"))
+        completion = (dataclasses.replace(last.outputs[0], finish_reason=reason, stop_reason=None) if last
+                      else CompletionOutput(index=0, text="", token_ids=[], finish_reason=reason))
         metrics = (dataclasses.replace(last.metrics, finished_time=now) if last
                    else RequestMetrics(entry.request.arrival_time, None, None, now, 0, 0))
         return RequestOutput(entry.command.request_id, entry.command.prompt_text, list(entry.command.prompt),
@@ -313,84 +398,87 @@ class ClusterEngine(AsyncLLMEngine):
                 break
             entry = self._entries[self._queue.pop().request_id]
             slot = self._slots[self._router.choose(entry.route, [self._load(s) for s in room])]
-            entry.slot = slot.index
-            slot.in_transit.add(entry.command.request_id)
-            slot.requests.add(entry.command.request_id)
-            slot.cached_blocks.update(entry.route.block_hashes)  # cached there once it runs
-            slot.actor.submit.remote([dataclasses.replace(entry.command, resume=self._resume_state(entry))])
+            entry.slot, entry.dispatch_id = slot.index, f"{entry.command.request_id}#{next(self._dispatch_ids)}"
+            self._dispatched[entry.dispatch_id] = entry
+            slot.in_transit.add(entry.dispatch_id)
+            slot.cache.hold(entry.route.block_hashes, +1)
+            slot.actor.submit.remote([dataclasses.replace(entry.command, request_id=entry.dispatch_id,
+                                                          resume=self._resume_state(entry))])
         self._policy.end_step(now)
 
-    @staticmethod
-    def _resume_state(entry: _Entry) -> Optional[ResumeState]:
-        """What the client already has of a request that goes on elsewhere (None: nothing)."""
+    def _resume_state(self, entry: _Entry) -> Optional[ResumeState]:
+        """What the client already has of a request that goes on elsewhere (None: nothing).
+        Its times only where the replicas share the coordinator's clock."""
         if entry.last is None or not entry.last.outputs[0].token_ids:
             return None
-        completion = entry.last.outputs[0]
-        return ResumeState(tuple(completion.token_ids),
-                           None if completion.logprobs is None else tuple(completion.logprobs),
-                           completion.cumulative_logprob or 0.0)
+        completion, metrics = entry.last.outputs[0], entry.last.metrics
+        same_clock = self.cluster.ray_address is None
+        return ResumeState(
+            tuple(completion.token_ids), None if completion.logprobs is None else tuple(completion.logprobs),
+            completion.cumulative_logprob or 0.0,
+            first_scheduled_time=metrics.first_scheduled_time if same_clock else None,
+            first_token_time=metrics.first_token_time if same_clock else None,
+            last_token_time=entry.last_output_time if same_clock and metrics.first_token_time is not None else None,
+            num_preemptions=metrics.num_preemptions)
 
     def _load(self, slot: _Slot) -> ReplicaLoad:
         stats = slot.stats
         return ReplicaLoad(slot.index, stats.num_running if stats else 0, slot.num_waiting + len(slot.in_transit),
                            stats.kv_cache_usage if stats else 0.0, slot.info.scheduler_config.max_num_seqs,
-                           slot.step_time_s, slot.cached_blocks)
+                           slot.step_time_s, slot.cache)
 
     # ---------------------------------------------------------------- replicas' reports
 
-    def _replay(self, index: int, incarnation: int, report: ReplicaReport) -> None:
+    def _replay(self, slot: _Slot, report: ReplicaReport) -> None:
         """A replica's sink calls, onto the front, in order."""
-        slot = self._slots[index]
-        if slot.incarnation != incarnation or not slot.up:
-            return  # from a replica already given up
         slot.step_time_s = report.step_time_s
         if report.cached_blocks is not None:
-            slot.cached_blocks = set(report.cached_blocks)
+            slot.cache.reported = report.cached_blocks
         for batch in report.batches:
             for name, call_args in batch:
                 getattr(self, f"_replica_{name}")(slot, *call_args)
 
-    def _owned(self, slot: _Slot, rid: str) -> Optional[_Entry]:
-        entry = self._entries.get(rid)
+    def _owned(self, slot: _Slot, dispatch_id: str) -> Optional[_Entry]:
+        entry = self._dispatched.get(dispatch_id)
         return entry if entry is not None and entry.slot == slot.index else None
 
-    def _settle(self, slot: _Slot, rid: str) -> None:
-        """The request has ended on this replica."""
-        del self._entries[rid]
-        slot.requests.discard(rid)
-
-    def _replica_on_accepted(self, slot: _Slot, rid: str, error: Optional[BaseException]) -> None:
-        slot.in_transit.discard(rid)
-        entry = self._owned(slot, rid)
-        if entry is None:
-            return
-        if error is not None:  # a replica refused what the coordinator's checks let through
-            self._settle(slot, rid)
-            self._fail_stream(rid, error)
-        elif entry.aborted:  # the abort may have overtaken the add (an actor's threads run calls in any order)
-            slot.actor.submit.remote([AbortCommand(rid)])
+    def _replica_on_accepted(self, slot: _Slot, dispatch_id: str, error: Optional[BaseException]) -> None:
+        slot.in_transit.discard(dispatch_id)
+        if dispatch_id in slot.aborting and error is None:
+            slot.actor.submit.remote([AbortCommand(dispatch_id)])  # it may have overtaken the add
+        entry = self._owned(slot, dispatch_id)
+        if entry is not None and error is not None:  # a replica refused what the coordinator's checks let through
+            self._end(entry)
+            self._fail_stream(entry.command.request_id, error)
 
     def _replica_on_output(self, slot: _Slot, delta: Any, now: float) -> None:
         output = slot.decoder.decode(delta)
+        if output.finished:
+            slot.aborting.discard(output.request_id)
         entry = self._owned(slot, output.request_id)
         if entry is None:
-            return
-        entry.last = output
+            return  # ended here already (aborted)
+        output = dataclasses.replace(output, request_id=entry.command.request_id)
+        entry.last, entry.last_output_time = output, self._clock()
         if output.finished:
-            self._settle(slot, output.request_id)
-        self._deliver(output, self._clock())  # the front's clock: gaps between replicas' outputs are real
+            self._end(entry)
+        self._deliver(output, entry.last_output_time)  # the front's clock: gaps across replicas are real
 
     def _replica_on_expired(self, slot: _Slot, delta: Any, message: str) -> None:
         output = slot.decoder.decode(delta)
-        if self._owned(slot, output.request_id) is not None:
-            self._settle(slot, output.request_id)
-            self._expire(output, message)
+        slot.aborting.discard(output.request_id)
+        entry = self._owned(slot, output.request_id)
+        if entry is not None:
+            self._end(entry)
+            self._expire(dataclasses.replace(output, request_id=entry.command.request_id), message)
 
-    def _replica_on_failed(self, slot: _Slot, rid: str, error: BaseException) -> None:
-        slot.decoder.forget(rid)
-        if self._owned(slot, rid) is not None:
-            self._settle(slot, rid)
-            self._fail_stream(rid, error)
+    def _replica_on_failed(self, slot: _Slot, dispatch_id: str, error: BaseException) -> None:
+        slot.decoder.forget(dispatch_id)
+        slot.aborting.discard(dispatch_id)
+        entry = self._owned(slot, dispatch_id)
+        if entry is not None:
+            self._end(entry)
+            self._fail_stream(entry.command.request_id, error)
 
     def _replica_on_iteration(self, slot: _Slot, num_scheduled_tokens: int) -> None:
         self.metrics.record_iteration(num_scheduled_tokens)
@@ -412,39 +500,40 @@ class ClusterEngine(AsyncLLMEngine):
     def _lose(self, index: int, incarnation: int, why: str) -> None:
         """A replica died or hung: kill it, requeue its requests where the client's streams
         stand, restart it."""
-        import ray
-
         slot = self._slots[index]
         if slot.incarnation != incarnation or not slot.up:
             return
         slot.up = False
-        logger.error("replica %d lost (%s); its %d requests continue on the others", index, why, len(slot.requests))
+        lost = sorted((e for e in self._dispatched.values() if e.slot == index), key=lambda e: e.request.arrival_time)
+        logger.error("replica %d lost (%s); its %d requests continue on the others", index, why, len(lost))
         if slot.stats is not None:
             self._retired = retire(self._retired, slot.stats)
-        try:
-            ray.kill(slot.actor, no_restart=True)
-        except Exception:
-            pass  # already gone
-        entries = sorted((self._entries[rid] for rid in slot.requests), key=lambda e: e.request.arrival_time)
-        for entry in reversed(entries):  # each to the queue's front: the oldest ends up first
-            entry.slot = None
-            if entry.aborted:
-                del self._entries[entry.command.request_id]
-                self._deliver(self._aborted_output(entry), self._clock())
-            else:
-                self._queue.push_front(entry.request)
-        slot.requests.clear()
+        _kill(slot.actor)
+        for entry in reversed(lost):  # each to the queue's front: the oldest ends up first
+            self._end(entry)
+            entry.num_failovers += 1
+            rid = entry.command.request_id
+            if entry.num_failovers > self.cluster.max_request_failovers:
+                self._fail_stream(rid, RequestFailedError(
+                    f"the request was on {entry.num_failovers} replicas that were lost ({why}); it may be what "
+                    "brings them down, so it is not tried again"))
+                continue
+            self._entries[rid] = entry
+            self._queue.push_front(entry.request)
         slot.in_transit.clear()
+        slot.aborting.clear()
         slot.decoder.clear()
-        slot.cached_blocks = set()
+        slot.cache = _CacheView()
         slot.stats, slot.num_waiting, slot.step_time_s = None, 0, 0.0
         self._restart(slot)
 
     def _restart(self, slot: _Slot) -> None:
         slot.incarnation += 1
-        incarnation, delay = slot.incarnation, RESTART_BACKOFF_S * slot.failed_starts
-        threading.Thread(target=self._start_replica, args=(slot.index, incarnation, delay),
-                         name=f"tokenweir-replica-{slot.index}-start", daemon=True).start()
+        starter = threading.Thread(target=self._start_replica,
+                                   args=(slot.index, slot.incarnation, RESTART_BACKOFF_S * slot.failed_starts),
+                                   name=f"tokenweir-replica-{slot.index}-start", daemon=True)
+        self._starters.append(starter)
+        starter.start()
 
     def _restarting(self) -> bool:
         return any(s.failed_starts <= self.cluster.max_replica_restarts for s in self._slots if not s.up)
@@ -456,12 +545,15 @@ class ClusterEngine(AsyncLLMEngine):
             return
         actor = None
         try:
-            actor = self._actor_class.remote(self.args, self._num_threads)
+            actor = self._new_replica()
             info = ray.get(actor.info.remote(), timeout=self.cluster.replica_startup_timeout)
         except Exception as e:
             if actor is not None:
-                ray.kill(actor)
+                _kill(actor)
             self._events.put(("start_failed", index, incarnation, repr(e)))
+            return
+        if self._stopping.is_set():  # shut down meanwhile: nobody will take it
+            _kill(actor)
             return
         self._events.put(("up", index, incarnation, actor, info))
 
@@ -487,9 +579,9 @@ class ClusterEngine(AsyncLLMEngine):
                 why = f"its actor died: {type(e).__name__}"
             else:
                 self._events.put(("report", index, incarnation, report))
-                if report.error is None and report.step_age_s <= hang:
+                if report.error is None and report.loop_age_s <= hang:
                     continue
-                why = report.error or f"a step has run for {report.step_age_s:.0f} s"
+                why = report.error or f"its engine loop has been stuck for {report.loop_age_s:.0f} s"
             if not self._stopping.is_set():
                 self._events.put(("lost", index, incarnation, why))
             return
@@ -506,11 +598,17 @@ class ClusterEngine(AsyncLLMEngine):
         except Exception:
             logger.warning("not every replica shut down cleanly; killing them")
         for slot in live:
-            try:
-                ray.kill(slot.actor)
-            except Exception:
-                pass
-        for poller in self._pollers:
-            poller.join(POLL_WAIT_S + 5)
+            _kill(slot.actor)
+        for thread in self._pollers + self._starters:
+            thread.join(POLL_WAIT_S + 5)
         if self._owns_ray:
             ray.shutdown()
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:
+        pass  # gone already

@@ -6,9 +6,9 @@ batches). Instead of a pipe, the batches wait in the actor until the coordinator
 them: one Ray call per batch of steps, not per token. The actor is threaded, so `poll`,
 `submit` and `ping`-like reads answer while a step runs.
 
-A poll also says how long the current step has run (a replica stuck in a step is hung even
-though its actor answers) and, every CACHE_REPORT_INTERVAL_S, the keys of its prefix cache,
-taken on the engine thread between steps, for the router's affinity.
+A poll also says how long ago the engine loop last went round (a replica stuck in a step, or
+anywhere else, is hung even though its actor answers) and, every CACHE_REPORT_INTERVAL_S, the
+keys of its prefix cache, taken on the engine thread between steps, for the router's affinity.
 """
 
 from __future__ import annotations
@@ -52,7 +52,9 @@ class ReplicaReport:
     batches: list[list[tuple[str, tuple]]]  # the loop's sink calls since the last poll, in order
     cached_blocks: Optional[frozenset[BlockHash]]  # its prefix cache's keys when a report was due, else None
     step_time_s: float  # recent mean step time
-    step_age_s: float  # how long the step now running has run; 0 between steps
+    # Since the engine loop last went round (it asks for commands between steps, and at least
+    # every IDLE_WAIT_S when idle): a step, command or anything else it is stuck in shows here.
+    loop_age_s: float
     error: Optional[str]  # the engine loop died, and why
 
 
@@ -81,7 +83,8 @@ class _ReplicaSink(ShippingSink):
 
     def on_stats(self, stats: SchedulerStats, num_unfinished: int) -> None:
         now = time.monotonic()
-        if now - self._cache_reported >= CACHE_REPORT_INTERVAL_S:
+        # Also as it goes idle: an idle loop publishes nothing more, and its cache is final.
+        if now - self._cache_reported >= CACHE_REPORT_INTERVAL_S or not num_unfinished:
             self._cache_reported = now
             self.cached_blocks = self._cached_keys()
         super().on_stats(stats, num_unfinished)
@@ -103,6 +106,7 @@ class EngineReplica:
         self._ready = threading.Condition()
         self._batches: list[list[tuple[str, tuple]]] = []
         self._error: Optional[str] = None
+        self._loop_seen = time.monotonic()
         pool = self.core.scheduler.kv_cache_manager.block_pool
         self._sink = _ReplicaSink(self._receive, lambda: frozenset(pool.cached_block_hash_to_block))
         self._loop = CoreLoop(self.core, self._sink, flush=self._sink.flush)
@@ -127,9 +131,7 @@ class EngineReplica:
             batches, self._batches = self._batches, []
         sink = self._sink
         cached, sink.cached_blocks = sink.cached_blocks, None
-        started = sink.step_started
-        return ReplicaReport(batches, cached, sink.step_time_s,
-                             0.0 if started is None else time.monotonic() - started, self._error)
+        return ReplicaReport(batches, cached, sink.step_time_s, time.monotonic() - self._loop_seen, self._error)
 
     def held(self) -> dict[str, int]:
         """What the engine holds; all zeros once it is idle and released everything. Read it
@@ -159,6 +161,7 @@ class EngineReplica:
             self._ready.notify_all()
 
     def _next_commands(self, block: bool) -> list[Command]:
+        self._loop_seen = time.monotonic()
         return take_commands(self._commands, block, IDLE_WAIT_S)
 
     def _run(self) -> None:

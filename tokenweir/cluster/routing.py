@@ -13,7 +13,7 @@ can tell how much of the prompt a replica has cached.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence, Set
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,7 +30,7 @@ class ReplicaLoad:
     kv_cache_usage: float  # 0..1
     max_num_seqs: int
     step_time_s: float  # the replica's recent mean step time (0 before it has stepped)
-    cached_blocks: Set[BlockHash]  # its prefix cache's keys, as last reported plus those routed since
+    cached_blocks: Container[BlockHash]  # its prefix cache's keys (as last reported, and its prompts')
 
     @property
     def num_requests(self) -> int:
@@ -57,8 +57,9 @@ class RouteRequest:
 @dataclass(frozen=True)
 class RouterConfig:
     # prefix_affinity: a replica is a candidate for its cache only while its load (requests
-    # running and not started) is within both margins of the least loaded replica's: at most
-    # `balance_abs_threshold` more requests, or at most `balance_rel_threshold` times as many.
+    # running and not started) is within a margin of the least loaded replica's: at most
+    # `balance_abs_threshold` more requests, or at most `balance_rel_threshold` times as many
+    # (either margin suffices).
     # Beyond them the cache gives way to balance (an always-hit replica would take everything).
     balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5

@@ -171,7 +171,7 @@ class EngineCore:
                           arrival_time=self.clock() if hints.arrival_time is None else hints.arrival_time,
                           eos_token_id=self.loaded.arch.eos_token_id, hints=hints)
         if resume is not None:
-            request.restore_outputs(resume.output_token_ids)
+            request.restore(resume)
         state = self.output_processor.new_state(request, prompt if isinstance(prompt, str) else prompt_text)
         if resume is not None:
             self.output_processor.restore_state(state, resume)

@@ -117,7 +117,8 @@ class OutputProcessor:
             state.cumulative_logprob += sampled_lp
         if num_new_tokens == 0:
             return False
-        new_text = self._new_text(state, request.all_token_ids, request.is_finished)
+        all_ids = request.all_token_ids
+        new_text = self._new_text(state, all_ids, len(all_ids), request.is_finished)
         if not new_text:
             return False
         old_len = len(state.text)
@@ -134,30 +135,30 @@ class OutputProcessor:
                 return True
         return False
 
-    def _new_text(self, state: OutputState, all_ids: list[int], finished: bool) -> str:
-        """The text the newest tokens of `all_ids` add, moving the state's decode window past them."""
+    def _new_text(self, state: OutputState, all_ids: list[int], end: int, finished: bool) -> str:
+        """The text the tokens of `all_ids` up to `end` add, moving the state's decode window past them."""
         skip = state.request.sampling_params.skip_special_tokens
         # Decode a sliding window and keep only text past the part decoded before; hold back
         # text ending in U+FFFD, an incomplete UTF-8 sequence whose next byte is in the next token.
         prefix_text = self._decode(all_ids[state.prefix_offset:state.read_offset], skip)
-        full_text = self._decode(all_ids[state.prefix_offset:], skip)
+        full_text = self._decode(all_ids[state.prefix_offset:end], skip)
         if len(full_text) <= len(prefix_text):
             return ""
         if not full_text.endswith("\ufffd"):
-            state.prefix_offset, state.read_offset = state.read_offset, len(all_ids)
+            state.prefix_offset, state.read_offset = state.read_offset, end
         elif not finished:
             return ""
         # (A finished stream flushes an incomplete character as it is.)
         return full_text[len(prefix_text):]
 
     def restore_state(self, state: OutputState, resume: ResumeState) -> None:
-        """A request resumed from another engine's outputs (`Request.restore_outputs`): its text
+        """A request resumed from another engine's outputs (`Request.restore`): its text
         rebuilt as that engine's steps built it, one token a step (a decode step samples one),
         so the text, what is held back for stop strings and the decode window are that engine's;
         its logprobs as the client received them."""
         all_ids = state.request.all_token_ids
         for end in range(state.request.num_prompt_tokens + 1, len(all_ids) + 1):
-            state.text += self._new_text(state, all_ids[:end], finished=False)
+            state.text += self._new_text(state, all_ids, end, finished=False)
         if state.logprobs is not None:
             state.logprobs = list(resume.logprobs or ())
             state.cumulative_logprob = resume.cumulative_logprob

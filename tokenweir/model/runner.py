@@ -91,9 +91,10 @@ class ModelRunner:
             generator = self.generators.get(new.request_id)
             if generator is None:
                 generator = torch.Generator(device=self.device).manual_seed(new.sampling_params.seed)
-                # A request resumed with another engine's outputs (failover) goes on with its
-                # random stream after the draws its outputs took there.
-                advance_generator(generator, len(new.token_ids) - new.num_prompt_tokens)
+                if not new.sampling_params.greedy:  # a greedy row draws nothing
+                    # A request resumed with another engine's outputs (failover) goes on with
+                    # its random stream after the draws its outputs took there.
+                    advance_generator(generator, len(new.token_ids) - new.num_prompt_tokens)
         params = new.sampling_params
         return _RequestState(
             list(new.token_ids), new.num_prompt_tokens, list(new.block_ids), params, generator,
