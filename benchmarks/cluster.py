@@ -2,8 +2,8 @@
 replica killed mid-run.
 
 Routing (one fresh cluster per policy, same workload and order): 8 system prompts of 512 tokens,
-each followed by its own 16-token question, 16 greedy tokens out, 48 requests, 8 in flight at
-a time. Each replica's KV pool (160 MiB, ~227 blocks of 16 bf16 tokens) holds all 8 system
+each followed by its own 16-token question, 16 greedy tokens out, 64 requests (each system
+prompt 8 times, in a seeded random order), 8 in flight at a time. Each replica's KV pool (160 MiB, ~227 blocks of 16 bf16 tokens) holds all 8 system
 prompts (256 blocks) only if each replica keeps about half of them: a router that spreads a
 prompt's requests over both replicas makes each evict what the other half needs. Reported per
 policy: prefix-cache hit rate (the replicas' counters), output throughput, TTFT p50/p99.
@@ -26,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import signal
 import statistics
 import time
@@ -49,7 +50,8 @@ def engine_args() -> EngineArgs:
 
 def routing_requests(seed: int) -> list[list[int]]:
     systems = [[100 + (seed * 7919 + s * 131 + j * 17) % 40000 for j in range(512)] for s in range(8)]
-    order = [(i * 5) % 8 for i in range(48)]  # every system prompt six times, interleaved
+    order = [s for s in range(8) for _ in range(8)]  # every system prompt 8 times, in a seeded random order
+    random.Random(seed).shuffle(order)
     return [systems[s] + [200 + (i * 37 + j) % 30000 for j in range(16)] for i, s in enumerate(order)]
 
 

@@ -4,11 +4,11 @@ leaves it idle: nothing queued, every replica holding no request, block or state
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.server.conftest import wait_until
 from tokenweir.cluster.config import ClusterConfig
 from tokenweir.cluster.coordinator import ClusterEngine
 from tokenweir.config import EngineArgs
@@ -30,13 +30,6 @@ def cluster_engine(tiny_model_dir: Callable[[str], str]) -> Iterator[ClusterEngi
     engine.shutdown()
 
 
-def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def wait_all_up(engine: ClusterEngine) -> None:
     wait_until(lambda: all(pid is not None for pid in engine.replica_pids()), "every replica to be up", 120.0)
 
@@ -46,7 +39,7 @@ def cluster(cluster_engine: ClusterEngine) -> Iterator[ClusterEngine]:
     wait_all_up(cluster_engine)
     yield cluster_engine
     assert cluster_engine.is_running, cluster_engine.dead_error
-    wait_until(lambda: cluster_engine.num_unfinished_requests() == 0, "the cluster to go idle")
+    wait_until(lambda: cluster_engine.num_unfinished_requests() == 0, "the cluster to go idle", 60.0)
     wait_all_up(cluster_engine)
     # An abort ends a request at the coordinator at once; its replica lets go a moment later.
     wait_until(lambda: all(set(held.values()) == {0} for held in cluster_engine.replica_held()),

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests.cluster.conftest import wait_until
+from tests.server.conftest import wait_until
 from tests.engine.helpers import greedy_oracle
 from tokenweir import SamplingParams
 from tokenweir.engine.output import RequestOutput
@@ -176,26 +176,38 @@ def test_an_id_reused_at_once_after_an_abort_gets_its_own_answer(cluster, oracle
 
 
 def test_a_request_on_too_many_lost_replicas_fails_and_the_cluster_goes_on(cluster, oracle):
+    import threading
+
     from tokenweir.engine.client import RequestFailedError
 
-    params = SamplingParams(max_tokens=230, ignore_eos=True, temperature=0.0)
+    params = SamplingParams(max_tokens=200, ignore_eos=True, temperature=0.0)
     losses = cluster.cluster.max_request_failovers + 1
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def kill_its_replica_each_time() -> None:
+        """Kill whichever replica holds the request, as soon as one does, `losses` times."""
+        while len(killed) < losses and not stop.is_set():
+            counts, pids = cluster.replica_num_requests(), cluster.replica_pids()
+            for count, pid in zip(counts, pids):
+                if count and pid is not None and pid not in killed:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+            time.sleep(0.002)
 
     async def main():
         outputs = await cluster.add_request("poison", PROMPTS["r0"], params)
-        kills, seen_at_kill = 0, -1
         with pytest.raises(RequestFailedError, match=f"on {losses} replicas that were lost"):
-            async for output in outputs:
-                n = len(output.outputs[0].token_ids)
-                # Each time it streams again after a loss, kill the replica that holds it.
-                if kills < losses and n > seen_at_kill + 1:
-                    counts, pids = cluster.replica_num_requests(), cluster.replica_pids()
-                    holder = next((i for i, c in enumerate(counts) if c), None)
-                    if holder is not None and pids[holder] is not None:
-                        os.kill(pids[holder], signal.SIGKILL)
-                        kills, seen_at_kill = kills + 1, n
-        assert kills == losses
-    asyncio.run(main())
+            async for _ in outputs:
+                pass
+    killer = threading.Thread(target=kill_its_replica_each_time)
+    killer.start()
+    try:
+        asyncio.run(main())
+    finally:
+        stop.set()
+        killer.join()
+    assert len(killed) == losses
     wait_until(lambda: None not in cluster.replica_pids(), "the replicas' restarts", 120.0)
     final, _ = run_all(cluster, {"after": (PROMPTS["r2"], GREEDY)})["after"]
     assert final.outputs[0].token_ids == oracle["r2"]

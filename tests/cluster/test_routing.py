@@ -19,11 +19,11 @@ def request(*hashes: BlockHash) -> RouteRequest:
     return RouteRequest("r", list(hashes), 16 * len(hashes) + 3)
 
 
-def test_round_robin_takes_turns_and_skips_replicas_without_room():
+def test_round_robin_takes_turns_and_skips_replicas_not_offered():
     router = create_router("round_robin")
     three = [load(0), load(1), load(2)]
     assert [router.choose(request(), three) for _ in range(4)] == [0, 1, 2, 0]
-    assert router.choose(request(), [load(0), load(2)]) == 2  # 1 has no room: the next after 0
+    assert router.choose(request(), [load(0), load(2)]) == 2  # 1 is down: the next after 0
     assert router.choose(request(), [load(0), load(2)]) == 0
 
 

@@ -5,13 +5,14 @@ it, one coordinator thread owns everything else and is the only one to touch it:
 
 - **The global queue.** An accepted request (checked here with the engine's own checks, so a
   bad one is refused before it waits) waits in a queue made by the replicas' scheduling policy
-  (the same classes, in the same order). It is dispatched when some replica has room: fewer than
-  `dispatch_queue_depth` requests there that it has not started. Routing late means the router
-  reads fresh loads and caches, and a request never waits behind a dead or slow replica.
-- **Routing.** The router (cluster/routing.py) picks among the replicas with room, from their
-  load (running, waiting, KV use, step time) and the keys of their prefix caches (reported every
-  half second; a prompt routed there counts at once). A prompt's keys are the replicas' own
-  (core/kv_cache_manager.extend_block_hashes, keyed alike), so a match is a real hit.
+  (the same classes, in the same order). It is dispatched once the replica its router picks has
+  room: fewer than `dispatch_queue_depth` requests there that it has not started. Routing late
+  means the router reads fresh loads and caches, and a request never waits behind a dead replica.
+- **Routing.** The router (cluster/routing.py) picks among the live replicas, from their load
+  (running, waiting, KV use, step time) and the keys of their prefix caches (as last reported,
+  and those of the prompts each holds now). A prompt's keys are the replicas' own
+  (core/kv_cache_manager.extend_block_hashes, keyed alike), so a match is a real hit. A request
+  whose replica has no room keeps its place; a few behind it may go to replicas with room.
 - **Replicas.** Each is an `EngineReplica` actor running the engine loop; a poller thread per
   replica long-polls it (a Ray call returns everything the loop flushed since the last, about
   twice a step while busy, not once per token) and hands the batches to the coordinator, which
@@ -70,6 +71,9 @@ from tokenweir.request import Request, ResumeState
 logger = logging.getLogger("tokenweir")
 
 POLL_WAIT_S = 0.5  # a poll returns at once when the replica has news, after this at the latest
+# Queued requests that may be dispatched past one whose replica has no room, per round (as the
+# scheduler looks past prompts held for a long-prefill slot: bounded, so a round stays cheap).
+DISPATCH_LOOKAHEAD = 16
 RESTART_BACKOFF_S = 2.0
 
 
@@ -386,25 +390,36 @@ class ClusterEngine(AsyncLLMEngine):
                              [completion], True, metrics)
 
     def _dispatch(self) -> None:
-        """Send queued requests, in the policy's order, to replicas with room."""
+        """Send queued requests, in the policy's order, each to the replica its router picks
+        among the live ones, once that replica has room. One whose replica has none keeps its
+        place, and up to DISPATCH_LOOKAHEAD behind it may go first to replicas with room (so an
+        idle replica does not wait behind a busy one's queue)."""
         if not len(self._queue):
             return
-        depth = self.cluster.dispatch_queue_depth
         now = self._clock()
         self._policy.begin_step(now, self._queue, [])
-        while len(self._queue):
-            room = [s for s in self._slots if s.up and s.num_waiting + len(s.in_transit) < depth]
-            if not room:
+        passed: list[_Entry] = []
+        while len(self._queue) and len(passed) < DISPATCH_LOOKAHEAD:
+            live = [s for s in self._slots if s.up]
+            if not any(self._has_room(s) for s in live):
                 break
             entry = self._entries[self._queue.pop().request_id]
-            slot = self._slots[self._router.choose(entry.route, [self._load(s) for s in room])]
+            slot = self._slots[self._router.choose(entry.route, [self._load(s) for s in live])]
+            if not self._has_room(slot):
+                passed.append(entry)
+                continue
             entry.slot, entry.dispatch_id = slot.index, f"{entry.command.request_id}#{next(self._dispatch_ids)}"
             self._dispatched[entry.dispatch_id] = entry
             slot.in_transit.add(entry.dispatch_id)
             slot.cache.hold(entry.route.block_hashes, +1)
             slot.actor.submit.remote([dataclasses.replace(entry.command, request_id=entry.dispatch_id,
                                                           resume=self._resume_state(entry))])
+        for entry in reversed(passed):
+            self._queue.push_front(entry.request)
         self._policy.end_step(now)
+
+    def _has_room(self, slot: _Slot) -> bool:
+        return slot.up and slot.num_waiting + len(slot.in_transit) < self.cluster.dispatch_queue_depth
 
     def _resume_state(self, entry: _Entry) -> Optional[ResumeState]:
         """What the client already has of a request that goes on elsewhere (None: nothing).

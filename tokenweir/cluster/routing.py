@@ -1,13 +1,14 @@
-"""Routing policies: which replica a request goes to once one has room for it.
+"""Routing policies: which replica a request goes to.
 
 Pure Python (no torch, no Ray): the coordinator routes with these classes, and anything that
 models a cluster (a simulator, a test) can use the same ones. A router is a small class chosen
 by name (`--routing-policy`); adding one is a class here and a line in ROUTERS.
 
-A router sees the replicas that have room (the coordinator decides room: a replica holds at most
-`dispatch_queue_depth` requests it has not started) and the request's prompt block hashes, the
-same keys the replicas' prefix caches use (core/block_hash.py: stable across processes), so it
-can tell how much of the prompt a replica has cached.
+A router sees every live replica's load and the request's prompt block hashes, the same keys
+the replicas' prefix caches use (core/block_hash.py: stable across processes), so it can tell
+how much of the prompt a replica has cached. The coordinator sends the request once the replica
+chosen has room (at most `dispatch_queue_depth` requests there not started): a router that
+prefers a cache waits for it, within the router's own balance bound.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class Router(ABC):
 
     @abstractmethod
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> int:
-        """The replica_id of one of `replicas` (never empty: all have room)."""
+        """The replica_id of one of `replicas` (never empty)."""
 
 
 def _least_loaded(replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
@@ -93,7 +94,7 @@ def _least_loaded(replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
 
 
 class RoundRobinRouter(Router):
-    """Each replica in turn, skipping those without room."""
+    """Each live replica in turn."""
 
     name = "round_robin"
 
