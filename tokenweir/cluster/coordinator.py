@@ -158,9 +158,10 @@ class ClusterEngine(AsyncLLMEngine):
         self._owns_ray = start_ray(cluster)
         self._stopping = threading.Event()
         self._starters: list[threading.Thread] = []
-        self._actor_class = self._replica_actor_class()
-        actors = [self._new_replica() for _ in range(cluster.data_parallel_size)]
+        actors: list[Any] = []
         try:
+            self._actor_class = self._replica_actor_class()
+            actors = [self._new_replica() for _ in range(cluster.data_parallel_size)]
             infos: list[ReplicaInfo] = ray.get([a.info.remote() for a in actors],
                                                timeout=cluster.replica_startup_timeout)
             first = infos[0]
@@ -520,7 +521,7 @@ class ClusterEngine(AsyncLLMEngine):
             return
         slot.up = False
         lost = sorted((e for e in self._dispatched.values() if e.slot == index), key=lambda e: e.request.arrival_time)
-        logger.error("replica %d lost (%s); its %d requests continue on the others", index, why, len(lost))
+        logger.error("replica %d lost (%s); its %d requests go back to the global queue", index, why, len(lost))
         if slot.stats is not None:
             self._retired = retire(self._retired, slot.stats)
         _kill(slot.actor)
@@ -608,8 +609,8 @@ class ClusterEngine(AsyncLLMEngine):
         live = [s for s in self._slots if s.up]
         for slot in live:
             slot.up = False
-        try:
-            ray.get([s.actor.shutdown.remote() for s in live], timeout=30)
+        try:  # a replica that does not finish its step within the hang bound is hung: killed below
+            ray.get([s.actor.shutdown.remote() for s in live], timeout=self.cluster.replica_hang_timeout)
         except Exception:
             logger.warning("not every replica shut down cleanly; killing them")
         for slot in live:
