@@ -44,4 +44,5 @@ def cluster(cluster_engine: ClusterEngine) -> Iterator[ClusterEngine]:
     # An abort ends a request at the coordinator at once; its replica lets go a moment later.
     wait_until(lambda: all(set(held.values()) == {0} for held in cluster_engine.replica_held()),
                "every replica to release every request, block and state", 30.0)
-    assert cluster_engine.num_waiting_requests() == 0
+    # ... and its reports of it reach the coordinator a poll later.
+    wait_until(lambda: cluster_engine.num_waiting_requests() == 0, "the cluster's waiting count to drain", 10.0)
