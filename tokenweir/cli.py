@@ -169,6 +169,9 @@ def _add_simulate_parser(sub: Any) -> None:
     bench_serve.add_workload_args(sim)
     bench_serve.add_result_args(sim)
     add_sim_args(sim)
+    from tokenweir.cluster.config import add_cluster_args
+
+    add_cluster_args(sim, ray=False)
     sim.set_defaults(func=_simulate, simulate_command=None)
     search = sim.add_subparsers(dest="simulate_command").add_parser(
         "search", help="the highest request rate each engine configuration sustains under SLOs")
@@ -177,6 +180,7 @@ def _add_simulate_parser(sub: Any) -> None:
     bench_serve.add_workload_args(search)
     bench_serve.add_result_args(search, table=False)
     add_sim_args(search, search=True)
+    add_cluster_args(search, ray=False)
     search.add_argument("--attainment", type=float, default=0.9,
                         help="fraction of requests that must meet every --goodput SLO")
     search.add_argument("--slo-percentiles", nargs="+", default=None, metavar="METRIC:pNN:MS",

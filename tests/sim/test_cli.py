@@ -185,3 +185,17 @@ def test_search_gives_the_profile_to_the_sla_policy_as_simulate_does(tmp_path, m
           "--sla-drop-unmeetable", "--goodput", "ttft:1000", "--search-iterations", "1",
           "--result-dir", str(tmp_path), "--result-filename", "s.json"])
     assert given and set(given) == {str(profile)}
+
+
+def test_simulate_a_cluster_of_replicas(tmp_path, profile, capsys) -> None:
+    one = simulate(tmp_path, profile, "--max-num-seqs", "4", "--no-wall-time", name="one.json")
+    two = simulate(tmp_path, profile, "--max-num-seqs", "4", "--no-wall-time", "--data-parallel-size", "2",
+                   "--routing-policy", "least_loaded", name="two.json")
+    assert two["data_parallel_size"] == 2 and two["routing_policy"] == "least_loaded"
+    assert two["completed"] == one["completed"] == 40
+    assert two["output_lens"] == one["output_lens"]
+    assert two["median_ttft_ms"] < one["median_ttft_ms"]  # two engines' worth of sequence slots
+    capsys.readouterr()
+    with pytest.raises(SystemExit):  # Ray's flags are the server's
+        simulate(tmp_path, profile, "--data-parallel-size", "2", "--ray-address=auto")
+    assert "unrecognized arguments: --ray-address" in capsys.readouterr().err

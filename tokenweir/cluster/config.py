@@ -54,13 +54,16 @@ class ClusterConfig:
                              f"got {self.replica_hang_timeout!r}")
 
 
-def add_cluster_args(parser: argparse.ArgumentParser) -> None:
+def add_cluster_args(parser: argparse.ArgumentParser, ray: bool = True) -> None:
+    """The cluster's flags; without `ray` only those of its queue and routing (`simulate`'s)."""
     defaults, router = ClusterConfig(), RouterConfig()
-    group = parser.add_argument_group("multi-replica serving (Ray)")
+    group = parser.add_argument_group("multi-replica serving (Ray)" if ray else "multi-replica (simulated)")
     group.add_argument("--data-parallel-size", "-dp", type=int, default=defaults.data_parallel_size,
-                       help="serve from this many engine replicas, each a Ray actor, behind one global queue")
-    group.add_argument("--ray-address", default=None,
-                       help="join this Ray cluster (default: start a local one on 127.0.0.1, stopped on exit)")
+                       help="serve from this many engine replicas" + (", each a Ray actor," if ray else "")
+                            + " behind one global queue")
+    if ray:
+        group.add_argument("--ray-address", default=None,
+                           help="join this Ray cluster (default: start a local one on 127.0.0.1, stopped on exit)")
     group.add_argument("--routing-policy", default=defaults.routing_policy, choices=sorted(ROUTERS),
                        help="which replica a request goes to (default %(default)s)")
     group.add_argument("--routing-balance-abs-threshold", type=int, default=router.balance_abs_threshold,
@@ -71,14 +74,18 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--dispatch-queue-depth", type=int, default=defaults.dispatch_queue_depth,
                        help="requests a replica may hold before starting them; the rest wait in the global "
                             "queue (default %(default)s)")
-    group.add_argument("--replica-hang-timeout", type=float, default=defaults.replica_hang_timeout,
-                       help="seconds after which a replica stuck in a step or silent is killed and its requests "
-                            "continue on another (default %(default)s)")
+    if ray:
+        group.add_argument("--replica-hang-timeout", type=float, default=defaults.replica_hang_timeout,
+                           help="seconds after which a replica stuck in a step or silent is killed and its "
+                                "requests continue on another (default %(default)s)")
 
 
 def cluster_config_from(ns: argparse.Namespace) -> ClusterConfig:
+    defaults = ClusterConfig()
     return ClusterConfig(
-        data_parallel_size=ns.data_parallel_size, ray_address=ns.ray_address, routing_policy=ns.routing_policy,
+        data_parallel_size=ns.data_parallel_size, ray_address=getattr(ns, "ray_address", None),
+        routing_policy=ns.routing_policy,
         router=RouterConfig(balance_abs_threshold=ns.routing_balance_abs_threshold,
                             balance_rel_threshold=ns.routing_balance_rel_threshold),
-        dispatch_queue_depth=ns.dispatch_queue_depth, replica_hang_timeout=ns.replica_hang_timeout)
+        dispatch_queue_depth=ns.dispatch_queue_depth,
+        replica_hang_timeout=getattr(ns, "replica_hang_timeout", defaults.replica_hang_timeout))

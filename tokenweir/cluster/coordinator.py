@@ -48,16 +48,15 @@ import threading
 import time
 import itertools
 from dataclasses import dataclass, field
-from collections import Counter
 from typing import Any, Optional
 
 from tokenweir.cluster.config import ClusterConfig
 from tokenweir.cluster.replica import EngineReplica, ReplicaInfo, ReplicaReport
+from tokenweir.cluster.dispatch import CacheView, dispatch_round, route_request
 from tokenweir.cluster.routing import ReplicaLoad, RouteRequest, create_router
 from tokenweir.cluster.stats import merge_stats, retire
 from tokenweir.config import EngineArgs
-from tokenweir.core.block_hash import BlockHash, BlockHasher
-from tokenweir.core.kv_cache_manager import extend_block_hashes
+from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.policies import create_policy
 from tokenweir.core.scheduler import SchedulerStats
 from tokenweir.engine.async_engine import STATS_LOG_INTERVAL_S, AsyncLLMEngine
@@ -71,9 +70,6 @@ from tokenweir.request import Request, ResumeState
 logger = logging.getLogger("tokenweir")
 
 POLL_WAIT_S = 0.5  # a poll returns at once when the replica has news, after this at the latest
-# Queued requests that may be dispatched past one whose replica has no room, per round (as the
-# scheduler looks past prompts held for a long-prefill slot: bounded, so a round stays cheap).
-DISPATCH_LOOKAHEAD = 16
 RESTART_BACKOFF_S = 2.0
 
 
@@ -107,25 +103,6 @@ class _Entry:
     num_failovers: int = 0  # replicas lost while it was on them
 
 
-class _CacheView:
-    """What the router reads as a replica's cache: the keys it last reported, and those of the
-    prompts it holds now (waiting there or running, so cached or about to be), which a report
-    taken before their prefill lacks."""
-
-    def __init__(self) -> None:
-        self.reported: frozenset[BlockHash] = frozenset()
-        self.held: Counter[BlockHash] = Counter()
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.held or key in self.reported
-
-    def hold(self, keys: list[BlockHash], sign: int) -> None:
-        for key in keys:
-            self.held[key] += sign
-            if not self.held[key]:
-                del self.held[key]
-
-
 @dataclass
 class _Slot:
     """One replica position: its current actor (restarted ones get a new incarnation)."""
@@ -143,7 +120,7 @@ class _Slot:
     # its add (an actor's threads run calls in any order) is sent again on the add's ack.
     aborting: set[str] = field(default_factory=set)
     decoder: OutputDeltaDecoder = field(default_factory=OutputDeltaDecoder)
-    cache: _CacheView = field(default_factory=_CacheView)
+    cache: CacheView = field(default_factory=CacheView)
     failed_starts: int = 0  # in a row
 
 
@@ -340,20 +317,9 @@ class ClusterEngine(AsyncLLMEngine):
             return
         prompt_text = command.prompt if isinstance(command.prompt, str) else command.prompt_text
         self._entries[rid] = _Entry(AddCommand(rid, prompt_ids, params, hints, prompt_text), request,
-                                    RouteRequest(rid, self._block_hashes(request), len(prompt_ids)))
+                                    route_request(request, self._cache_config, self._hasher))
         self._queue.add(request)
         self.on_accepted(rid, None)
-
-    def _block_hashes(self, request: Request) -> list[BlockHash]:
-        """The prompt's prefix-cache keys as a replica computes them (none without caching)."""
-        cfg = self._cache_config
-        hashes: list[BlockHash] = []
-        if cfg.enable_prefix_caching:
-            kv_int8 = cfg.int8_kv_min_priority is not None and request.priority >= cfg.int8_kv_min_priority
-            block_size = cfg.int8_block_size if kv_int8 else cfg.block_size
-            extend_block_hashes(self._hasher, hashes, request.prompt_token_ids, block_size,
-                                request.num_prompt_tokens // block_size, request.cache_salt, kv_int8)
-        return hashes
 
     def _abort(self, rid: str) -> None:
         """End a request now, with what its client has; a replica running it is told to stop
@@ -391,33 +357,19 @@ class ClusterEngine(AsyncLLMEngine):
                              [completion], True, metrics)
 
     def _dispatch(self) -> None:
-        """Send queued requests, in the policy's order, each to the replica its router picks
-        among the live ones, once that replica has room. One whose replica has none keeps its
-        place, and up to DISPATCH_LOOKAHEAD behind it may go first to replicas with room (so an
-        idle replica does not wait behind a busy one's queue)."""
-        if not len(self._queue):
-            return
-        now = self._clock()
-        self._policy.begin_step(now, self._queue, [])
-        passed: list[_Entry] = []
-        while len(self._queue) and len(passed) < DISPATCH_LOOKAHEAD:
-            live = [s for s in self._slots if s.up]
-            if not any(self._has_room(s) for s in live):
-                break
-            entry = self._entries[self._queue.pop().request_id]
-            slot = self._slots[self._router.choose(entry.route, [self._load(s) for s in live])]
-            if not self._has_room(slot):
-                passed.append(entry)
-                continue
-            entry.slot, entry.dispatch_id = slot.index, f"{entry.command.request_id}#{next(self._dispatch_ids)}"
-            self._dispatched[entry.dispatch_id] = entry
-            slot.in_transit.add(entry.dispatch_id)
-            slot.cache.hold(entry.route.block_hashes, +1)
-            slot.actor.submit.remote([dataclasses.replace(entry.command, request_id=entry.dispatch_id,
-                                                          resume=self._resume_state(entry))])
-        for entry in reversed(passed):
-            self._queue.push_front(entry.request)
-        self._policy.end_step(now)
+        dispatch_round(self._queue, self._policy, self._router, self._clock(),
+                       lambda: [self._load(s) for s in self._slots if s.up],
+                       lambda index: self._has_room(self._slots[index]),
+                       lambda request: self._entries[request.request_id].route, self._send_to)
+
+    def _send_to(self, request: Request, index: int) -> None:
+        entry, slot = self._entries[request.request_id], self._slots[index]
+        entry.slot, entry.dispatch_id = index, f"{entry.command.request_id}#{next(self._dispatch_ids)}"
+        self._dispatched[entry.dispatch_id] = entry
+        slot.in_transit.add(entry.dispatch_id)
+        slot.cache.hold(entry.route.block_hashes, +1)
+        slot.actor.submit.remote([dataclasses.replace(entry.command, request_id=entry.dispatch_id,
+                                                      resume=self._resume_state(entry))])
 
     def _has_room(self, slot: _Slot) -> bool:
         return slot.up and slot.num_waiting + len(slot.in_transit) < self.cluster.dispatch_queue_depth
@@ -539,7 +491,7 @@ class ClusterEngine(AsyncLLMEngine):
         slot.in_transit.clear()
         slot.aborting.clear()
         slot.decoder.clear()
-        slot.cache = _CacheView()
+        slot.cache = CacheView()
         slot.stats, slot.num_waiting, slot.step_time_s = None, 0, 0.0
         self._restart(slot)
 

@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 from tokenweir.bench import serve as bench
 from tokenweir.bench.serve_metrics import BenchmarkMetrics, compute_metrics, metrics_to_dict
@@ -25,6 +25,8 @@ from tokenweir.bench.slo_mix import SLOClass, class_report, format_class_table
 from tokenweir.config import EngineArgs
 from tokenweir.request import SchedulingHints
 from tokenweir.core.cost_model import DEFAULT_PROFILE, StepCostModel, load_cost_model
+from tokenweir.cluster.config import cluster_config_from
+from tokenweir.sim.cluster import ClusterSimulator
 from tokenweir.sim.simulator import SimRequest, SimResult, Simulator
 
 
@@ -65,7 +67,10 @@ def simulate(args: EngineArgs, ns: argparse.Namespace, cost_model: StepCostModel
     bench.check_counts(ns)
     workload = bench.build_workload(ns, bench.load_tokenizer(ns.tokenizer))
     requests = sim_requests(workload, bench.slo_classes_of(ns, len(workload.requests)))
-    simulator = Simulator.from_engine_args(args, cost_model, ns.timeseries_points)
+    cluster = cluster_config_from(ns)
+    simulator: Union[Simulator, ClusterSimulator] = (
+        ClusterSimulator.from_engine_args(args, cluster, cost_model, ns.timeseries_points)
+        if cluster.data_parallel_size > 1 else Simulator.from_engine_args(args, cost_model, ns.timeseries_points))
     start = time.perf_counter()
     if show_progress:
         from tqdm import tqdm
@@ -98,6 +103,7 @@ def result_dict(result: SimResult, metrics: BenchmarkMetrics, ns: argparse.Names
         "num_steps": result.num_steps,
         "num_preemptions": result.num_preemptions,
         "engine_args": {k: getattr(args, k) for k in EngineArgs.field_names()},
+        "data_parallel_size": ns.data_parallel_size,
         "input_lens": [r.prompt_len for r in result.records],
         "output_lens": [r.output_tokens if r.success else 0 for r in result.records],
         "ttfts": [r.ttft for r in result.records],
@@ -108,6 +114,9 @@ def result_dict(result: SimResult, metrics: BenchmarkMetrics, ns: argparse.Names
     classes = bench.slo_classes_of(ns, len(result.records))
     if classes:
         out["slo_classes"] = class_report(result.records, classes, result.duration_s)
+    if ns.data_parallel_size > 1:
+        out["routing_policy"] = ns.routing_policy
+        out["dispatch_queue_depth"] = ns.dispatch_queue_depth
     if wall_seconds is not None:
         out["wall_seconds"] = wall_seconds
         out["simulated_seconds_per_wall_second"] = result.duration_s / wall_seconds

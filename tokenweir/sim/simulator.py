@@ -24,7 +24,7 @@ from typing import Optional
 
 from tokenweir.bench.serve_metrics import RequestRecord
 from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig
-from tokenweir.core.cost_model import StepCostModel, step_composition
+from tokenweir.core.cost_model import StepComposition, StepCostModel, step_composition
 from tokenweir.core.kv_cache_manager import int8_tokens_per_block
 from tokenweir.core.scheduler import Scheduler, SchedulerOutput
 from tokenweir.checks import is_finite_number, is_integer
@@ -119,6 +119,105 @@ def _int8_block_size(args: EngineArgs, meta: dict, kv_bytes_per_token: int) -> i
     return int8_tokens_per_block(args.block_size, head_dim, element_size)
 
 
+class SimClients:
+    """The clients' side of a run: each request is sent at its arrival (or later, when the
+    concurrency limit held it), maybe given up on (`abort_after_s`), and ends when its engine
+    reports it finished. `submit(request, at)` hands a sent request to the engine side (one
+    scheduler, or a simulated cluster's global queue)."""
+
+    def __init__(self, requests: Sequence[SimRequest], max_concurrency: Optional[int], max_model_len: int,
+                 submit: Callable[[Request, float], None]) -> None:
+        if max_concurrency is not None and max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.tracks = {r.request_id: _Tracking(r) for r in requests}
+        if len(self.tracks) != len(requests):
+            raise ValueError("simulated request ids must be unique")
+        self.requests = requests
+        self.max_concurrency = max_concurrency
+        self.max_model_len = max_model_len
+        self.submit = submit
+        # Requests in send order; those over the concurrency limit wait client-side (their
+        # latency counts from when they are finally sent, as in `bench serve`).
+        self.arrivals = sorted(requests, key=lambda r: r.arrival_s)
+        self.next_arrival = 0
+        self.held: deque[SimRequest] = deque()  # arrived, waiting for a client slot
+        self.in_flight = 0
+        self.aborts: list[tuple[float, int, str]] = []  # (time, tie-break, request id), a heap
+        self._tie = itertools.count()
+        self.num_done = 0
+
+    def send(self, sim: SimRequest, at: float) -> None:
+        track = self.tracks[sim.request_id]
+        track.sent_s = at
+        self.in_flight += 1
+        try:  # what the server refuses never reaches its engine
+            resolve_max_tokens(len(sim.prompt_token_ids), sim.output_len, self.max_model_len)
+        except ValueError as e:
+            track.refused = str(e)
+            self.finish(sim.request_id, at)
+            return
+        params = SamplingParams(max_tokens=sim.output_len, temperature=0.0, ignore_eos=True)
+        hints = sim.hints
+        if hints.arrival_time is None:
+            hints = SchedulingHints(**{**hints.to_dict(), "arrival_time": at})
+        track.request = Request(sim.request_id, list(sim.prompt_token_ids), params,
+                                arrival_time=at, eos_token_id=None, hints=hints)
+        self.submit(track.request, at)
+        if sim.abort_after_s is not None:
+            heapq.heappush(self.aborts, (at + sim.abort_after_s, next(self._tie), sim.request_id))
+
+    def slot_free(self) -> bool:
+        return self.max_concurrency is None or self.in_flight < self.max_concurrency
+
+    def finish(self, rid: str, at: float) -> None:
+        track = self.tracks[rid]
+        if track.sim.abort_after_s is not None:  # a client that gave up ended then
+            at = min(at, track.sent_s + track.sim.abort_after_s)
+        track.done, track.end_s = True, at
+        self.in_flight -= 1
+        self.num_done += 1
+
+    def send_arrived(self, now: float) -> None:
+        """Requests that arrived by `now`, in order: sent at their arrival if a client slot
+        was free then, else held. Called before the slots a step freed are released, so a
+        request that arrived while every slot was busy waits for the step's end."""
+        while self.next_arrival < len(self.arrivals) and self.arrivals[self.next_arrival].arrival_s <= now:
+            sim = self.arrivals[self.next_arrival]
+            self.next_arrival += 1
+            if self.held or not self.slot_free():
+                self.held.append(sim)
+            else:
+                self.send(sim, sim.arrival_s)
+
+    def release(self, now: float) -> None:
+        """Held requests, sent as client slots free up."""
+        while self.held and self.slot_free():
+            self.send(self.held.popleft(), now)
+
+    def take_due_aborts(self, now: float) -> list[str]:
+        """The requests whose clients have given up by `now`, in time order."""
+        due = []
+        while self.aborts and self.aborts[0][0] <= now:
+            due.append(heapq.heappop(self.aborts)[2])
+        return due
+
+    def next_event_s(self) -> Optional[float]:
+        """When the next request arrives or client gives up (None: neither ever)."""
+        upcoming = [t for t in (self.arrivals[self.next_arrival].arrival_s if self.next_arrival < len(self.arrivals)
+                                else None, self.aborts[0][0] if self.aborts else None) if t is not None]
+        return min(upcoming) if upcoming else None
+
+    def result(self, progress: Callable[[int], None], num_steps: int, num_preemptions: int,
+               timeseries: TimeSeries) -> SimResult:
+        progress(self.num_done)
+        if self.num_done < len(self.requests):
+            raise RuntimeError(f"simulation stopped with {len(self.requests) - self.num_done} requests unfinished")
+        records = [_record(self.tracks[r.request_id]) for r in self.requests]
+        # As `bench serve` measures it: from the start (time 0) until the last request ends.
+        end = max((t.end_s for t in self.tracks.values()), default=0.0)
+        return SimResult(records, max(end, 1e-9), num_steps, num_preemptions, timeseries)
+
+
 class Simulator:
     """Runs one workload through one simulated engine; `run` may be called once."""
 
@@ -157,132 +256,84 @@ class Simulator:
 
     def run(self, requests: Sequence[SimRequest], max_concurrency: Optional[int] = None,
             progress: Callable[[int], None] = lambda done: None) -> SimResult:
-        if max_concurrency is not None and max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        tracks = {r.request_id: _Tracking(r) for r in requests}
-        if len(tracks) != len(requests):
-            raise ValueError("simulated request ids must be unique")
-        # Clients: requests in send order; those over the concurrency limit wait client-side
-        # (their latency counts from when they are finally sent, as in `bench serve`).
-        arrivals = sorted(requests, key=lambda r: r.arrival_s)
-        next_arrival = 0
-        held: deque[SimRequest] = deque()  # arrived, waiting for a client slot
-        in_flight = 0
-        aborts: list[tuple[float, int, str]] = []  # (time, tie-break, request id), a heap
-        tie = itertools.count()
         sched = self.scheduler
-        num_done = 0
-
-        def send(sim: SimRequest, at: float) -> None:
-            nonlocal in_flight
-            track = tracks[sim.request_id]
-            track.sent_s = at
-            in_flight += 1
-            try:  # what the server refuses never reaches its engine
-                resolve_max_tokens(len(sim.prompt_token_ids), sim.output_len, sched.max_model_len)
-            except ValueError as e:
-                track.refused = str(e)
-                finish(sim.request_id, at)
-                return
-            params = SamplingParams(max_tokens=sim.output_len, temperature=0.0, ignore_eos=True)
-            hints = sim.hints
-            if hints.arrival_time is None:
-                hints = SchedulingHints(**{**hints.to_dict(), "arrival_time": at})
-            track.request = Request(sim.request_id, list(sim.prompt_token_ids), params,
-                                    arrival_time=at, eos_token_id=None, hints=hints)
-            sched.add_request(track.request)
-            if sim.abort_after_s is not None:
-                heapq.heappush(aborts, (at + sim.abort_after_s, next(tie), sim.request_id))
-
-        def slot_free() -> bool:
-            return max_concurrency is None or in_flight < max_concurrency
-
-        def finish(rid: str, at: float) -> None:
-            nonlocal in_flight, num_done
-            track = tracks[rid]
-            if track.sim.abort_after_s is not None:  # a client that gave up ended then
-                at = min(at, track.sent_s + track.sim.abort_after_s)
-            track.done, track.end_s = True, at
-            in_flight -= 1
-            num_done += 1
-
-        def send_arrived() -> None:
-            """Requests that arrived by `now`, in order: sent at their arrival if a client slot
-            was free then, else held. Called before the slots a step freed are released, so a
-            request that arrived while every slot was busy waits for the step's end."""
-            nonlocal next_arrival
-            while next_arrival < len(arrivals) and arrivals[next_arrival].arrival_s <= self.now:
-                sim = arrivals[next_arrival]
-                next_arrival += 1
-                if held or not slot_free():
-                    held.append(sim)
-                else:
-                    send(sim, sim.arrival_s)
-
-        def collect_finished(extra: Iterable[str] = ()) -> None:
-            """Every way an admitted request ends (its length, an abort, a policy that sheds
-            it) passes through the scheduler's finished ids: those `schedule()` reported in
-            its output (`extra`) and those finished since. Freed client slots then send held
-            requests at once."""
-            for rid in sorted({*extra, *sched.take_finished_req_ids()}):  # a set's order is not stable
-                if not tracks[rid].done:
-                    finish(rid, self.now)
-            while held and slot_free():
-                send(held.popleft(), self.now)
-
-        while num_done < len(requests):
+        clients = SimClients(requests, max_concurrency, sched.max_model_len,
+                             lambda request, at: sched.add_request(request))
+        while clients.num_done < len(requests):
             # Everything that happened by `now`: sends and client aborts, in time order.
-            send_arrived()
-            while aborts and aborts[0][0] <= self.now:
-                _, _, rid = heapq.heappop(aborts)
+            clients.send_arrived(self.now)
+            for rid in clients.take_due_aborts(self.now):
                 sched.abort_requests([rid], now=self.now)  # ignored if it has just finished
-            collect_finished()
+            self.collect_finished(clients)
             if not sched.has_unfinished_requests():
                 # Idle until the next event (nothing is held: with nothing in flight, every
                 # slot is free).
-                upcoming = [t for t in (arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) else None,
-                                        aborts[0][0] if aborts else None) if t is not None]
-                if not upcoming:
+                upcoming = clients.next_event_s()
+                if upcoming is None:
                     break
-                self.now = max(self.now, min(upcoming))
+                self.now = max(self.now, upcoming)
                 continue
-            reported = self._step(tracks)
-            send_arrived()
-            collect_finished(reported)
+            reported = self._step(clients.tracks)
+            clients.send_arrived(self.now)
+            self.collect_finished(clients, reported)
             if self.num_steps % PROGRESS_EVERY_STEPS == 0:
-                progress(num_done)
-        progress(num_done)
-        if num_done < len(requests):
-            raise RuntimeError(f"simulation stopped with {len(requests) - num_done} requests unfinished")
+                progress(clients.num_done)
+        return clients.result(progress, self.num_steps, sched.get_stats().num_preemptions, self.timeseries)
 
-        records = [self._record(tracks[r.request_id]) for r in requests]
-        # As `bench serve` measures it: from the start (time 0) until the last request ends.
-        end = max((t.end_s for t in tracks.values()), default=0.0)
-        return SimResult(records, max(end, 1e-9), self.num_steps,
-                         sched.get_stats().num_preemptions, self.timeseries)
+    def collect_finished(self, clients: SimClients, extra: Iterable[str] = ()) -> None:
+        """Every way an admitted request ends (its length, an abort, a policy that sheds
+        it) passes through the scheduler's finished ids: those `schedule()` reported in
+        its output (`extra`) and those finished since. Freed client slots then send held
+        requests at once."""
+        for rid in sorted({*extra, *self.scheduler.take_finished_req_ids()}):  # a set's order is not stable
+            if not clients.tracks[rid].done:
+                clients.finish(rid, self.now)
+        clients.release(self.now)
 
     def _step(self, tracks: dict[str, _Tracking]) -> set[str]:
         """One engine step; returns the finished ids `schedule()` reported."""
+        out, comp = self.schedule_step()
+        if comp.num_tokens == 0:
+            return self.settle_empty_step(out)
+        self.now += self.cost_model.predict(comp)
+        self.num_steps += 1
+        self.complete_step(out, tracks)
         sched = self.scheduler
-        out = sched.schedule(now=self.now)
+        # The counts themselves, not get_stats(): that also copies the prefix-cache and policy
+        # stats, every step.
+        self.timeseries.add(self.now, len(sched.waiting), len(sched.running), len(sched.swapped),
+                            sched.kv_cache_manager.get_usage(), sched.num_preemptions, comp.num_tokens)
+        return out.finished_req_ids
+
+    # A step in two halves, for a caller that interleaves several engines' steps in time (the
+    # simulated cluster): scheduled at `now`, completed once its predicted time has passed.
+
+    def schedule_step(self) -> tuple[SchedulerOutput, StepComposition]:
+        out = self.scheduler.schedule(now=self.now)
         if self.on_step is not None:
             self.on_step(out, self.now)
-        comp = step_composition(out, sched.requests, self.kv_bytes_per_block)
-        if comp.num_tokens == 0:
-            sched.update_from_output(out, {}, self.now)  # settle the empty step
-            if not sched.has_unfinished_requests():
-                return out.finished_req_ids  # the policy shed everything that was left
-            # Requests are unfinished but none can run (a prompt that needs more blocks than the
-            # pool can ever free, say): the real engine would spin here for good.
-            raise RuntimeError(f"simulated engine stalled at t={self.now:.3f}s: "
-                               f"{len(sched.waiting)} waiting, {len(sched.running)} running, nothing schedulable")
+        return out, step_composition(out, self.scheduler.requests, self.kv_bytes_per_block)
+
+    def settle_empty_step(self, out: SchedulerOutput) -> set[str]:
+        """A step that schedules nothing: the policy shed every request left (their ids are
+        returned), or the engine is stalled (an error)."""
+        sched = self.scheduler
+        sched.update_from_output(out, {}, self.now)  # settle the empty step
+        if not sched.has_unfinished_requests():
+            return out.finished_req_ids
+        # Requests are unfinished but none can run (a prompt that needs more blocks than the
+        # pool can ever free, say): the real engine would spin here for good.
+        raise RuntimeError(f"simulated engine stalled at t={self.now:.3f}s: "
+                           f"{len(sched.waiting)} waiting, {len(sched.running)} running, nothing schedulable")
+
+    def complete_step(self, out: SchedulerOutput, tracks: dict[str, _Tracking]) -> None:
+        """The step's tokens, at `now` (its end): every row that finished its prompt samples."""
+        sched = self.scheduler
         sampled = {}
         for rid, n in out.num_scheduled_tokens.items():
             r = sched.requests[rid]
             if r.num_computed_tokens + n >= r.num_tokens:
                 sampled[rid] = [SAMPLED_TOKEN]
-        self.now += self.cost_model.predict(comp)
-        self.num_steps += 1
         for update in sched.update_from_output(out, sampled, self.now):
             track = tracks[update.request.request_id]
             gave_up = track.sim.abort_after_s is not None and self.now > track.sent_s + track.sim.abort_after_s
@@ -295,27 +346,21 @@ class Simulator:
                     track.itl.append(self.now - track.last_token_s)
                 track.last_token_s = self.now
                 track.num_tokens += len(update.new_token_ids)
-        # The counts themselves, not get_stats(): that also copies the prefix-cache and policy
-        # stats, every step.
-        self.timeseries.add(self.now, len(sched.waiting), len(sched.running), len(sched.swapped),
-                            sched.kv_cache_manager.get_usage(), sched.num_preemptions, comp.num_tokens)
-        return out.finished_req_ids
 
-    @staticmethod
-    def _record(track: _Tracking) -> RequestRecord:
-        request = track.request
-        prompt_len = len(track.sim.prompt_token_ids)
-        if track.refused is not None:
-            return RequestRecord(success=False, prompt_len=prompt_len, output_tokens=0, error=track.refused)
-        if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
-            reason = request.status_message or request.status.name.lower()
-            return RequestRecord(success=False, prompt_len=prompt_len,
-                                 output_tokens=track.num_tokens, error=reason)
-        if track.num_tokens < track.sim.output_len:
-            # It finished in a step that ended after its client gave up: the engine hears of
-            # the abort only then, the client never heard its last tokens.
-            return RequestRecord(success=False, prompt_len=prompt_len, output_tokens=track.num_tokens,
-                                 error="aborted by the client before its last token")
-        return RequestRecord(success=True, prompt_len=prompt_len, output_tokens=track.num_tokens,
-                             ttft=track.first_token_s - track.sent_s,
-                             latency=track.last_token_s - track.sent_s, itl=track.itl)
+def _record(track: _Tracking) -> RequestRecord:
+    request = track.request
+    prompt_len = len(track.sim.prompt_token_ids)
+    if track.refused is not None:
+        return RequestRecord(success=False, prompt_len=prompt_len, output_tokens=0, error=track.refused)
+    if request.status not in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED):
+        reason = request.status_message or request.status.name.lower()
+        return RequestRecord(success=False, prompt_len=prompt_len,
+                             output_tokens=track.num_tokens, error=reason)
+    if track.num_tokens < track.sim.output_len:
+        # It finished in a step that ended after its client gave up: the engine hears of
+        # the abort only then, the client never heard its last tokens.
+        return RequestRecord(success=False, prompt_len=prompt_len, output_tokens=track.num_tokens,
+                             error="aborted by the client before its last token")
+    return RequestRecord(success=True, prompt_len=prompt_len, output_tokens=track.num_tokens,
+                         ttft=track.first_token_s - track.sent_s,
+                         latency=track.last_token_s - track.sent_s, itl=track.itl)
