@@ -1,6 +1,7 @@
 """Multi-replica serving on Ray: `tokenweir serve --data-parallel-size N`.
 
 routing.py     which replica a request goes to (pure Python, no torch and no Ray)
+dispatch.py    one dispatch round from the global queue (shared with the simulator's cluster)
 config.py      ClusterConfig: the flags of the cluster
 replica.py     EngineReplica: one engine and its loop in a Ray actor process
 stats.py       one SchedulerStats for the server's metrics from the replicas' own
