@@ -6,7 +6,7 @@ request; tenant counter ties broken alike."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, note, settings
+from hypothesis import HealthCheck, example, given, note, settings
 from hypothesis import strategies as st
 
 from tests.core.helpers import EOS, PagedFakeRunner, assert_no_leaks, step, traced_run
@@ -37,6 +37,14 @@ def _req(i: int, at, priority, prompt_len, max_tokens, ttft, tpot, deadline, ten
                                          tenant=tenant))
 
 
+# Found by hypothesis: a full batch's tried-and-put-back head made its tenant the "last chosen"
+# that the lift of a tenant arriving to an empty backlog reads (fair_share.put_back undoes it).
+@example(arrivals=[(0, 0, 1, 1, None, None, None, "a")] * 6 + [
+             (0, 0, 1, 1, None, None, None, "b"), (0, 0, 1, 2, None, None, 2.0, "a"),
+             (0, 0, 1, 2, None, None, None, "b"), (5, 0, 1, 1, None, None, None, "b"),
+             (5, 0, 1, 1, None, None, None, "a")],
+         max_wait=2.0, tenant_fairness=True, preempt_margin=0.0, num_blocks=10, swap=False, max_preemptions=1,
+         drop_expired=False, protect_slos=False, classes=1, aborts=[], partial=False, max_num_seqs=2)
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(arrivals=st.lists(_arrival, min_size=6, max_size=30),
        max_wait=st.sampled_from([2.0, 5.0, 50.0]), tenant_fairness=st.booleans(),

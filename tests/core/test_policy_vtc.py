@@ -66,7 +66,7 @@ def test_the_smallest_counter_goes_first_and_a_newly_backlogged_tenant_is_lifted
     assert counters.counter("b") == 12.0
     # With nobody backlogged, a newcomer is lifted to the counter of the tenant last chosen, as
     # it is now: the service "a" got after it was chosen counts (not banked as d's credit).
-    counters.note_chosen("a")
+    counters.note_chosen(a)
     for t in ("a", "b", "c"):
         counters.remove_waiting(t)
     counters.charge([_served(_req("a9", "a"), 0, 8, outputs=1)])  # a: 10 + 10 = 20, while running
@@ -309,7 +309,7 @@ def test_served_idle_tenants_are_pruned_too_and_the_floor_survives_it():
     assert len(counters.counters) <= 1 + PRUNE_SLACK + 1
     assert passes <= 2 * n // PRUNE_SLACK + 1  # amortized: a pass per PRUNE_SLACK / 2 tenants
     # The tenant chosen last, pruned, must not drag the floor of an empty backlog to 0.
-    counters.note_chosen("t0")  # long pruned
+    counters.note_chosen(_req("r0", "t0"))  # long pruned
     counters.counters["t0"] = 50.0  # charged again (from the floor) while running
     counters.remove_waiting("main")
     counters._prune()
@@ -468,3 +468,21 @@ def test_sla_with_tenant_fairness_looks_past_victims_the_tenant_rule_keeps():
     assert out.preempted_req_ids == {"b0"} and "a0" in out.num_scheduled_tokens
     s.abort_requests(list(s.requests))
     assert_no_leaks(s)
+
+
+def test_a_request_put_back_is_not_the_last_chosen():
+    # The lift with nobody backlogged reads the tenant chosen last; one taken and put back (a
+    # full batch trying its head) was not chosen: the tenant chosen before it stays the one.
+    counters = VirtualTokenCounters(VTCConfig())
+    a, b = _req("a", "a"), _req("b", "b")
+    counters.add_waiting("a")
+    counters.add_waiting("b")
+    counters.charge([_served(b, 0, 4)])  # b: 4, a: 0
+    counters.note_chosen(a)
+    counters.remove_waiting("a")
+    counters.note_chosen(b)  # taken to be tried (as a queue's pop does) ...
+    counters.remove_waiting("b")
+    counters.put_back(b)  # ... and put back
+    counters.remove_waiting("b")  # then aborted: nobody is backlogged
+    counters.add_waiting("c")
+    assert counters.counter("c") == 0.0  # a's counter, not b's 4

@@ -192,6 +192,7 @@ def test_simulate_a_cluster_of_replicas(tmp_path, profile, capsys) -> None:
     two = simulate(tmp_path, profile, "--max-num-seqs", "4", "--no-wall-time", "--data-parallel-size", "2",
                    "--routing-policy", "least_loaded", name="two.json")
     assert two["data_parallel_size"] == 2 and two["routing_policy"] == "least_loaded"
+    assert two["dispatch_queue_depth"] == 2 and "data_parallel_size" not in one
     assert two["completed"] == one["completed"] == 40
     assert two["output_lens"] == one["output_lens"]
     assert two["median_ttft_ms"] < one["median_ttft_ms"]  # two engines' worth of sequence slots
@@ -199,3 +200,16 @@ def test_simulate_a_cluster_of_replicas(tmp_path, profile, capsys) -> None:
     with pytest.raises(SystemExit):  # Ray's flags are the server's
         simulate(tmp_path, profile, "--data-parallel-size", "2", "--ray-address=auto")
     assert "unrecognized arguments: --ray-address" in capsys.readouterr().err
+
+
+def test_search_a_cluster_records_it_and_two_replicas_double_the_queues_capacity(tmp_path) -> None:
+    # The D/D/1 queue above, served by two replicas of one sequence each.
+    profile = write_profile(tmp_path / "p.json", cost_model(step=0.1))
+    main(["simulate", "search", "--profile", str(profile), "--dataset-name", "random",
+          "--num-prompts", "100", "--random-input-len", "1", "--random-output-len", "1",
+          "--burstiness", "inf", "--max-num-batched-tokens", "2", "--max-num-seqs", "1",
+          "--goodput", "ttft:250", "--search-iterations", "10", "--result-dir", str(tmp_path),
+          "--result-filename", "s.json", "--data-parallel-size", "2", "--routing-policy", "least_loaded"])
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["data_parallel_size"] == 2 and data["routing_policy"] == "least_loaded"
+    assert data["capacities"][0]["request_rate"] > 1.8 / (0.1 - 0.15 / 89)

@@ -83,6 +83,7 @@ def test_conservation_no_leaks_and_determinism_under_preemption_and_aborts() -> 
     for sched in cluster.schedulers:
         assert_no_leaks(sched)
     assert len(cluster.queue) == 0 and not cluster.where and not cluster.routes
+    assert all(not r.cache.held and not r.inbox and not r.aborts for r in cluster.replicas)
     assert run()[1] == records
 
 
@@ -97,3 +98,15 @@ def test_two_replicas_take_about_half_the_time_of_one_on_a_saturating_burst() ->
     two = cluster.run(requests).duration_s
     assert 0.45 * one < two < 0.6 * one
     assert [r.sim.num_steps for r in cluster.replicas] == [cluster.replicas[0].sim.num_steps] * 2
+
+
+def test_a_slot_freed_as_a_step_starts_sends_the_held_request_at_once() -> None:
+    # One client slot. a gives up at 0.05 during its first step; its replica hears of it when
+    # that step ends (0.1), which frees the slot for b (held since 0.01): b is sent at 0.1 and
+    # runs on a free replica at once, as on one engine.
+    requests = [req("a", 8, 50, 0.0, abort_after_s=0.05), req("b", 8, 2, 0.01)]
+    one = Simulator.from_engine_args(EngineArgs(), cost_model(step=0.1)).run(requests, max_concurrency=1)
+    two = make_cluster(2).run(requests, max_concurrency=1)
+    assert [r.success for r in two.records] == [False, True]
+    assert two.records[1].latency == pytest.approx(one.records[1].latency) == pytest.approx(0.2)
+    assert two.duration_s == pytest.approx(one.duration_s)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Container, Sequence
 
+from tokenweir.cluster.config import ClusterConfig
 from tokenweir.cluster.routing import ReplicaLoad, RouteRequest, Router
 from tokenweir.config import CacheConfig
 from tokenweir.core.block_hash import BlockHash, BlockHasher
@@ -20,6 +21,22 @@ from tokenweir.request import Request
 # Queued requests that may be dispatched past one whose replica has no room, per round (as the
 # scheduler looks past prompts held for a long-prefill slot: bounded, so a round stays cheap).
 DISPATCH_LOOKAHEAD = 16
+STEP_TIME_DECAY = 0.2  # weight of a replica's newest step in the step time the routers read
+
+
+def mean_step_time(mean: float, elapsed: float) -> float:
+    """A replica's step time as routers read it: a moving mean of its completed steps."""
+    return mean + STEP_TIME_DECAY * (elapsed - mean) if mean else elapsed
+
+
+def cluster_fields(cluster: ClusterConfig) -> dict[str, object]:
+    """What a simulated result records of the cluster it ran on (nothing for one engine)."""
+    if cluster.data_parallel_size == 1:
+        return {}
+    return {"data_parallel_size": cluster.data_parallel_size, "routing_policy": cluster.routing_policy,
+            "routing_balance_abs_threshold": cluster.router.balance_abs_threshold,
+            "routing_balance_rel_threshold": cluster.router.balance_rel_threshold,
+            "dispatch_queue_depth": cluster.dispatch_queue_depth}
 
 
 def route_request(request: Request, cache_config: CacheConfig, hasher: BlockHasher) -> RouteRequest:

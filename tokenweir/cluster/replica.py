@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from tokenweir.cluster.dispatch import mean_step_time
 from tokenweir.config import CacheConfig, EngineArgs, SchedulerConfig
 from tokenweir.core.block_hash import BlockHash
 from tokenweir.core.scheduler import SchedulerStats
@@ -32,7 +33,6 @@ logger = logging.getLogger("tokenweir")
 
 CACHE_REPORT_INTERVAL_S = 0.5
 IDLE_WAIT_S = 1.0  # how long the idle loop waits for a command before looking again
-STEP_TIME_DECAY = 0.2  # weight of the newest step in the step time the router reads
 
 
 @dataclass
@@ -76,8 +76,7 @@ class _ReplicaSink(ShippingSink):
 
     def on_iteration(self, num_scheduled_tokens: int) -> None:
         if self.step_started is not None:
-            elapsed = time.monotonic() - self.step_started
-            self.step_time_s += STEP_TIME_DECAY * (elapsed - self.step_time_s) if self.step_time_s else elapsed
+            self.step_time_s = mean_step_time(self.step_time_s, time.monotonic() - self.step_started)
         self.step_started = None
         super().on_iteration(num_scheduled_tokens)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from tokenweir.cluster.config import ClusterConfig
-from tokenweir.cluster.dispatch import CacheView, dispatch_round, route_request
+from tokenweir.cluster.dispatch import CacheView, dispatch_round, mean_step_time, route_request
 from tokenweir.cluster.routing import ReplicaLoad, RouteRequest, create_router
 from tokenweir.config import EngineArgs
 from tokenweir.core.block_hash import BlockHasher
@@ -39,7 +39,7 @@ class _Replica:
     inbox: list[Request] = field(default_factory=list)  # routed here, added at its next step
     aborts: list[str] = field(default_factory=list)  # given up on while it stepped
     step: Optional[tuple[SchedulerOutput, StepComposition]] = None  # in flight, ending at sim.now
-    step_time_s: float = 0.0  # its latest step's, for the score router
+    step_time_s: float = 0.0  # the mean of its completed steps, as a real replica reports it
 
 
 class ClusterSimulator:
@@ -53,6 +53,8 @@ class ClusterSimulator:
                    cluster, timeseries_points)
 
     def __init__(self, replicas: Sequence[Simulator], cluster: ClusterConfig, timeseries_points: int = 500) -> None:
+        if len(replicas) != cluster.data_parallel_size:
+            raise ValueError(f"{len(replicas)} simulated engines for a data_parallel_size of {cluster.data_parallel_size}")
         first = replicas[0].scheduler
         self.replicas = [_Replica(r, CacheView(r.scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block))
                          for r in replicas]
@@ -83,14 +85,22 @@ class ClusterSimulator:
                 if replica.step is not None and replica.sim.now <= self.now:
                     out, comp = replica.step
                     replica.step = None
+                    replica.step_time_s = mean_step_time(replica.step_time_s, replica.sim.cost_model.predict(comp))
                     replica.sim.complete_step(out, clients.tracks)
                     self._record_step(comp.num_tokens)
                     self._collect(replica, clients, out.finished_req_ids)
-            clients.release(self.now)
-            self._dispatch()
-            for replica in self.replicas:  # free replicas with work start a step now
-                if replica.step is None:
-                    self._start_step(replica, clients)
+            # Until nothing more happens at `now`: starting a step may finish requests (an abort
+            # heard between steps, a policy shedding in an empty step), which frees client slots
+            # and replica room.
+            while True:
+                num_done = clients.num_done
+                clients.release(self.now)
+                self._dispatch()
+                for replica in self.replicas:  # free replicas with work start a step now
+                    if replica.step is None:
+                        self._start_step(replica, clients)
+                if clients.num_done == num_done:
+                    break
             num_steps = sum(r.sim.num_steps for r in self.replicas)
             if num_steps - steps_reported >= PROGRESS_EVERY_STEPS:
                 steps_reported = num_steps
@@ -172,8 +182,7 @@ class ClusterSimulator:
         if comp.num_tokens == 0:
             self._collect(replica, clients, sim.settle_empty_step(out))
             return
-        replica.step_time_s = sim.cost_model.predict(comp)
-        sim.now += replica.step_time_s
+        sim.now += sim.cost_model.predict(comp)
         sim.num_steps += 1
         replica.step = (out, comp)
 

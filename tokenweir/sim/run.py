@@ -26,6 +26,7 @@ from tokenweir.config import EngineArgs
 from tokenweir.request import SchedulingHints
 from tokenweir.core.cost_model import DEFAULT_PROFILE, StepCostModel, load_cost_model
 from tokenweir.cluster.config import cluster_config_from
+from tokenweir.cluster.dispatch import cluster_fields
 from tokenweir.sim.cluster import ClusterSimulator
 from tokenweir.sim.simulator import SimRequest, SimResult, Simulator
 
@@ -103,7 +104,6 @@ def result_dict(result: SimResult, metrics: BenchmarkMetrics, ns: argparse.Names
         "num_steps": result.num_steps,
         "num_preemptions": result.num_preemptions,
         "engine_args": {k: getattr(args, k) for k in EngineArgs.field_names()},
-        "data_parallel_size": ns.data_parallel_size,
         "input_lens": [r.prompt_len for r in result.records],
         "output_lens": [r.output_tokens if r.success else 0 for r in result.records],
         "ttfts": [r.ttft for r in result.records],
@@ -114,9 +114,7 @@ def result_dict(result: SimResult, metrics: BenchmarkMetrics, ns: argparse.Names
     classes = bench.slo_classes_of(ns, len(result.records))
     if classes:
         out["slo_classes"] = class_report(result.records, classes, result.duration_s)
-    if ns.data_parallel_size > 1:
-        out["routing_policy"] = ns.routing_policy
-        out["dispatch_queue_depth"] = ns.dispatch_queue_depth
+    out.update(cluster_fields(cluster_config_from(ns)))
     if wall_seconds is not None:
         out["wall_seconds"] = wall_seconds
         out["simulated_seconds_per_wall_second"] = result.duration_s / wall_seconds

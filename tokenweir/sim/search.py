@@ -26,6 +26,8 @@ from tokenweir.bench import serve as bench
 import numpy as np
 
 from tokenweir.bench.serve_metrics import SLO_NAMES, RequestRecord, is_good
+from tokenweir.cluster.config import cluster_config_from
+from tokenweir.cluster.dispatch import cluster_fields
 from tokenweir.config import EngineArgs
 from tokenweir.core.cost_model import StepCostModel, load_cost_model
 from tokenweir.sim.run import on_profiled_machine, profile_label, simulate
@@ -202,6 +204,7 @@ def main(ns: argparse.Namespace, base: EngineArgs, lists: dict[str, list[Any]]) 
         "seed": ns.seed,
         "criterion": criterion.describe(),
         "rate_name": rate_name,
+        **cluster_fields(cluster_config_from(ns)),
         "capacities": [{"engine_args": c.overrides, rate_name: c.rate, criterion.score_name: c.score,
                         "num_simulations": c.num_simulations} for c in capacities],
     }

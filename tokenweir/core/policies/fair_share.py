@@ -129,6 +129,11 @@ class VirtualTokenCounters:
         # counter as it is then (the service it got since it was chosen included).
         self._last_chosen: Optional[Tenant] = None
         self._last_chosen_counter = 0.0  # its counter, kept should its entry be pruned
+        # The request whose taking made its tenant the last chosen, and per request taken this
+        # step what was last chosen before it: a request put back (tried and passed over) was
+        # not chosen after all, so the lift rule must not read its tenant.
+        self._last_chosen_request: Optional[str] = None
+        self._chosen_before: dict[str, tuple[Optional[str], Optional[Tenant], float]] = {}
         # This step's provisional charges (charge_admission): per request id (tenant, units),
         # and their sum per tenant, which the counters hold on top of what was charged.
         self._provisional: dict[str, tuple[Tenant, float]] = {}
@@ -210,6 +215,9 @@ class VirtualTokenCounters:
         entry = self._provisional.pop(request.request_id, None)
         if entry is not None:
             self._shift(entry[0], -entry[1])
+        before = self._chosen_before.pop(request.request_id, None)
+        if before is not None and self._last_chosen_request == request.request_id:
+            self._last_chosen_request, self._last_chosen, self._last_chosen_counter = before
         self.add_waiting(request.tenant, arrival=False)
 
     def _shift(self, tenant: Tenant, units: float) -> None:
@@ -235,6 +243,7 @@ class VirtualTokenCounters:
                     self._push(tenant)
         self._pending.clear()
         self._provisional.clear()
+        self._chosen_before.clear()
 
     def charge(self, served: Sequence[ServedRequest]) -> None:
         cfg = self.config
@@ -286,8 +295,12 @@ class VirtualTokenCounters:
             return None
         return self.counter(self.min_backlogged())
 
-    def note_chosen(self, tenant: Tenant) -> None:
-        self._last_chosen = tenant
+    def note_chosen(self, request: Request) -> None:
+        """`request` is taken from the queue to be admitted: its tenant is the last chosen,
+        unless it is put back (`put_back`)."""
+        self._chosen_before[request.request_id] = (self._last_chosen_request, self._last_chosen,
+                                                   self._last_chosen_value())
+        self._last_chosen_request, self._last_chosen = request.request_id, request.tenant
 
     def _push(self, tenant: Tenant) -> None:
         heapq.heappush(self._heap, (self.counter(tenant), next(self._seq), tenant))

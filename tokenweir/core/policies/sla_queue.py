@@ -326,7 +326,7 @@ class SLAQueue(RequestQueue):
             _, entry = self.best()
             request = self._kill(entry)
             if self.counters is not None:
-                self.counters.note_chosen(request.tenant)
+                self.counters.note_chosen(request)
         self._on_popped(request)
         self._left(request)
         if self.counters is not None:

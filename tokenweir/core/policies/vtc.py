@@ -63,7 +63,7 @@ class TenantQueue(RequestQueue):
 
     def pop(self) -> Request:
         tenant = self._next_tenant()
-        self.counters.note_chosen(tenant)
+        self.counters.note_chosen(self._queues[tenant][0])  # before it leaves: its tenant may be pruned
         request = self._take(tenant)
         self.counters.charge_admission(request)
         return request
@@ -82,7 +82,7 @@ class TenantQueue(RequestQueue):
 
     def take(self, request: Request) -> None:
         tenant = request.tenant
-        self.counters.note_chosen(tenant)
+        self.counters.note_chosen(request)
         queue = self._queues[tenant]
         self._take(tenant, None if queue[0] is request else request)
         self.counters.charge_admission(request)
