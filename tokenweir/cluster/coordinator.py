@@ -41,18 +41,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import os
 import queue
 import threading
 import time
-import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from tokenweir.cluster.config import ClusterConfig
-from tokenweir.cluster.replica import EngineReplica, ReplicaInfo, ReplicaReport
 from tokenweir.cluster.dispatch import CacheView, dispatch_round, route_request
+from tokenweir.cluster.replica import EngineReplica, ReplicaInfo, ReplicaReport
 from tokenweir.cluster.routing import ReplicaLoad, RouteRequest, create_router
 from tokenweir.cluster.stats import merge_stats, retire
 from tokenweir.config import EngineArgs

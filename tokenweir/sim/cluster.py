@@ -26,7 +26,7 @@ from tokenweir.config import EngineArgs
 from tokenweir.core.block_hash import BlockHasher
 from tokenweir.core.cost_model import StepComposition, StepCostModel
 from tokenweir.core.policies import create_policy
-from tokenweir.core.scheduler import SchedulerOutput
+from tokenweir.core.scheduler import Scheduler, SchedulerOutput
 from tokenweir.request import Request, RequestStatus
 from tokenweir.sim.simulator import PROGRESS_EVERY_STEPS, SimClients, SimRequest, SimResult, Simulator
 from tokenweir.sim.timeseries import TimeSeries
@@ -70,7 +70,7 @@ class ClusterSimulator:
         self.now = 0.0
 
     @property
-    def schedulers(self) -> list:
+    def schedulers(self) -> list[Scheduler]:
         return [r.sim.scheduler for r in self.replicas]
 
     def run(self, requests: Sequence[SimRequest], max_concurrency: Optional[int] = None,
