@@ -143,17 +143,27 @@ def test_a_prompt_that_cannot_fit_is_refused_before_tokenizing(smollm_tokenizer,
 
 
 def _raw_request(url: str, head: str, body: bytes, wait_s: float) -> bytes:
-    """Send a request's head and part of its body on a raw socket; what came back within wait_s."""
+    """Send a request's head and part of its body on a raw socket; what came back within wait_s:
+    the whole answer once its head is in, to its Content-Length (a busy machine may deliver the
+    head and the body in separate reads)."""
+    import re
     import socket
     from urllib.parse import urlparse
 
     where = urlparse(url)
+    answer = b""
     with socket.create_connection((where.hostname, where.port), timeout=wait_s) as sock:
         sock.sendall(head.encode() + body)
         try:
-            return sock.recv(65536)
+            while chunk := sock.recv(65536):
+                answer += chunk
+                head_end = answer.find(b"\r\n\r\n")
+                length = re.search(rb"(?im)^content-length: *(\d+)", answer[:head_end]) if head_end >= 0 else None
+                if length and len(answer) >= head_end + 4 + int(length.group(1)):
+                    break
         except TimeoutError:
-            return b""
+            pass
+    return answer
 
 
 def test_a_body_that_stops_arriving_is_answered_408_and_other_paths_buffer_none(make_server, monkeypatch):
