@@ -72,6 +72,29 @@ def test_429_past_the_waiting_limit(make_server, engine, gate):
     assert post(url, "/v1/completions", body).status_code == 200
 
 
+def test_health_answers_503_while_the_engine_makes_no_progress_with_requests(make_server, engine, gate):
+    """Held before its step (the gate), the engine makes no progress, as a hung one would: once
+    that lasts past --engine-hang-timeout with a request to serve, /health says so; it answers
+    200 again as soon as the engine steps, and the request is served."""
+    url = make_server(engine_hang_timeout=0.3)
+    assert httpx.get(f"{url}/health").status_code == 200 and engine.stalled_seconds() is None  # idle
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 3, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(post, url, "/v1/completions", body)
+        wait_until(lambda: (engine.stalled_seconds() or 0) > 0.4, "the engine held past the timeout")
+        answer = httpx.get(f"{url}/health")
+        assert answer.status_code == 503 and "Retry-After" in answer.headers
+        assert answer.json()["error"]["code"] == "engine_stalled"
+        assert "--engine-hang-timeout 0.3 s" in answer.json()["error"]["message"]
+        # A longer timeout (or 0: off) is not reached.
+        assert httpx.get(f"{make_server(engine_hang_timeout=60)}/health").status_code == 200
+        assert httpx.get(f"{make_server(engine_hang_timeout=0)}/health").status_code == 200
+        gate.set()
+        assert held.result().status_code == 200
+    wait_until(lambda: engine.stalled_seconds() is None, "the engine idle again")
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
 def test_a_burst_gets_exactly_the_waiting_limit_and_429s_for_the_rest(make_server, engine, gate):
     """64 requests at once, limit 4, the engine held before its first step: nothing is admitted
     to run, so exactly 4 may wait and exactly 60 must be refused, however their parsing and

@@ -11,6 +11,7 @@ import asyncio
 import os
 import re
 import signal
+import time
 from collections.abc import Callable, Iterator
 
 import openai
@@ -184,6 +185,40 @@ def test_shutdown_kills_an_engine_process_that_does_not_answer(tiny_model_dir):
     stopper.join(60)
     assert not stopper.is_alive(), "shutdown waited for a process that does not answer"
     assert not engine.process.is_alive() and not engine.is_running
+
+
+def test_health_answers_503_while_a_stopped_engine_process_holds_a_request(clean):
+    """SIGSTOP: the engine process makes no progress, as a hung one would. A request sent to it
+    stays on its way in; once that lasts past --engine-hang-timeout /health answers 503, and
+    after SIGCONT the request is served and /health answers 200."""
+    import httpx
+
+    server = ServerThread(build_app(clean, engine_hang_timeout=0.5))
+    pid = clean.process.pid
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+
+        async def run():
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                adding = asyncio.create_task(collect(clean, "held", [5, 6, 7]))
+                deadline = time.monotonic() + 60
+                while (clean.stalled_seconds() or 0) <= 0.6:
+                    assert time.monotonic() < deadline, "no stall seen while the engine process is stopped"
+                    await asyncio.sleep(0.05)
+                answer = await asyncio.to_thread(httpx.get, f"{server.url}/health")
+                assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_stalled"
+                assert not adding.done()
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            return await adding
+
+        outputs = asyncio.run(run())
+        assert len(outputs[-1].outputs[0].token_ids) == GREEDY.max_tokens
+        wait_until(lambda: clean.stalled_seconds() is None, "the engine idle again")
+        assert httpx.get(f"{server.url}/health").status_code == 200
+    finally:
+        server.stop()
 
 
 def test_a_bad_model_path_raises_in_the_servers_process(tmp_path):

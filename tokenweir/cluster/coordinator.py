@@ -191,6 +191,11 @@ class ClusterEngine(AsyncLLMEngine):
 
     # ================================================================ event-loop API
 
+    def stalled_seconds(self) -> Optional[float]:
+        """None: the coordinator watches each replica's loop and fails a hung one over
+        (--replica-hang-timeout); the cluster as a whole is dead or serving."""
+        return None
+
     def shutdown(self) -> None:
         """Stop the replicas (and a local Ray this engine started); requests in flight fail with
         EngineDeadError."""

@@ -232,6 +232,11 @@ class AsyncLLMEngine:
         self._published: tuple[int, int] = (0, 0)
         self._num_unfinished = 0
         self._stats = stats
+        # Liveness (`stalled_seconds`): when the engine loop last reported (a step done, or its
+        # stats after a batch of commands or an idle wait: the sink's thread), and when the
+        # adds in transit began (the event loop's, under the submit lock).
+        self._heard_at = clock()
+        self._transit_since = self._heard_at
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, step_trace: Optional[StepTrace] = None) -> AsyncLLMEngine:
@@ -262,6 +267,16 @@ class AsyncLLMEngine:
         """Requests not running yet: waiting in the scheduler or still on their way to it."""
         num_taken, num_waiting = self._published
         return num_waiting + self._num_submitted - num_taken
+
+    def stalled_seconds(self) -> Optional[float]:
+        """Seconds the engine loop has gone without reporting while it has work (requests it
+        holds, or adds on their way to it): since its last report, or since the adds in transit
+        began if that is later. None while it has none: an idle loop may wait for commands
+        indefinitely. A step that really takes this long reads the same: from outside it
+        cannot be told from a hung one."""
+        if self._num_unfinished == 0 and self._num_submitted == self._published[0]:
+            return None
+        return max(0.0, self._clock() - max(self._heard_at, self._transit_since))
 
     def num_unfinished_requests(self) -> int:
         """Requests the engine holds or that still have a live stream. The engine's count comes
@@ -338,6 +353,8 @@ class AsyncLLMEngine:
                 raise EngineDeadError(f"the engine is not running: {self._dead}") from self._dead
             if pending is not None:  # before the command: its ack may come at once
                 self._pending[pending[0].request_id] = pending
+                if self._num_submitted == self._published[0]:  # the first add in transit
+                    self._transit_since = self._clock()
             try:
                 self._send(command)
             except BaseException:
@@ -406,12 +423,14 @@ class AsyncLLMEngine:
         self._fail_stream(request_id, error)
 
     def on_iteration(self, num_scheduled_tokens: int) -> None:
+        self._heard_at = self._clock()
         self.metrics.record_iteration(num_scheduled_tokens)
 
     def on_waiting(self, num_waiting: int) -> None:
         self._published = (self._num_taken, num_waiting)
 
     def on_stats(self, stats: SchedulerStats, num_unfinished: int) -> None:
+        self._heard_at = self._clock()
         self._stats = stats
         self.metrics.record_scheduler_stats(stats)
         self._published = (self._num_taken, stats.num_waiting)

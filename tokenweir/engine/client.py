@@ -78,6 +78,10 @@ class EngineClient(Protocol):
     def num_waiting_requests(self) -> int:
         """Requests accepted but not running yet (including those still on their way in)."""
 
+    def stalled_seconds(self) -> Optional[float]:
+        """Seconds the engine has made no progress while it had work; None while it has none,
+        or where the engine watches for hangs itself (a cluster fails its hung replicas over)."""
+
     async def add_request(self, request_id: str, prompt: Union[str, list[int]], params: SamplingParams,
                           hints: SchedulingHints = SchedulingHints(), *,
                           prompt_text: Optional[str] = None) -> OutputStream:

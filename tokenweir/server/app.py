@@ -20,7 +20,8 @@ from tokenweir.engine.client import EngineDeadError
 from tokenweir.engine.client import EngineClient
 from tokenweir.server.auth import APIKeyMiddleware, KeyGrant, check_api_key_options, guarded_paths, load_api_keys
 from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES, BodySizeLimitMiddleware
-from tokenweir.server.errors import engine_error, install_error_handlers
+from tokenweir.server.args import DEFAULT_ENGINE_HANG_TIMEOUT_S
+from tokenweir.server.errors import engine_error, engine_stalled, install_error_handlers
 from tokenweir.server.openapi import (CHAT_RESPONSES, COMPLETION_RESPONSES, METRICS_RESPONSES, build_openapi,
                                       error_responses)
 from tokenweir.server.protocol import (ChatCompletionRequest, CompletionRequest, HealthResponse, ModelList,
@@ -34,12 +35,14 @@ BODY_PATHS = (COMPLETIONS_PATH, CHAT_PATH)
 
 def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waiting_requests: Optional[int] = None,
               max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
-              metrics_require_api_key: bool = True, api_keys: Optional[dict[str, KeyGrant]] = None) -> FastAPI:
+              metrics_require_api_key: bool = True, api_keys: Optional[dict[str, KeyGrant]] = None,
+              engine_hang_timeout: float = DEFAULT_ENGINE_HANG_TIMEOUT_S) -> FastAPI:
     """The FastAPI app around a running engine. The app does not own the engine: whoever made
     it shuts it down. With `api_key` or `api_keys` (key -> its grant; not both), /v1/* (and
     /metrics unless `metrics_require_api_key` is off) need `Authorization: Bearer KEY`; a key
     from `api_keys` sets the request's tenant (and bounds its priority if its grant does), and
-    those tenants get metric labels of their own."""
+    those tenants get metric labels of their own. /health answers 503 while the engine has made
+    no progress for `engine_hang_timeout` seconds with requests to serve (0: never)."""
     check_api_key_options(api_key, api_keys)
     if max_request_body_bytes < 1:
         raise ValueError(f"max_request_body_bytes must be >= 1, got {max_request_body_bytes}")
@@ -74,6 +77,9 @@ def build_app(client: EngineClient, *, api_key: Optional[str] = None, max_waitin
     async def health() -> Any:
         if not client.is_running:
             return engine_error(EngineDeadError(f"the engine is not running: {client.dead_error}")).response()
+        stalled = client.stalled_seconds()
+        if engine_hang_timeout and stalled is not None and stalled > engine_hang_timeout:
+            return engine_stalled(stalled, engine_hang_timeout).response()
         return {"status": "ok"}
 
     @app.get("/version", response_model=VersionResponse)
@@ -127,7 +133,8 @@ def run_server(engine_args: EngineArgs, ns: argparse.Namespace) -> None:
     try:
         app = build_app(engine, api_key=ns.api_key, max_waiting_requests=ns.max_waiting_requests,
                         max_request_body_bytes=ns.max_request_body_bytes,
-                        metrics_require_api_key=ns.metrics_require_api_key, api_keys=api_keys)
+                        metrics_require_api_key=ns.metrics_require_api_key, api_keys=api_keys,
+                        engine_hang_timeout=ns.engine_hang_timeout)
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
                     access_log=not ns.disable_uvicorn_access_log)
     finally:

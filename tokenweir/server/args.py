@@ -8,11 +8,21 @@ from pathlib import Path
 from tokenweir.server.auth import check_api_key
 from tokenweir.server.body_limit import DEFAULT_MAX_REQUEST_BODY_BYTES
 
+# As long as a cluster waits for a replica stuck in a step (ClusterConfig.replica_hang_timeout).
+DEFAULT_ENGINE_HANG_TIMEOUT_S = 30.0
+
 
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _seconds_or_off(text: str) -> float:
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0 (0: off), got {text}")
     return value
 
 
@@ -48,6 +58,11 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                         help="answer 429 with Retry-After once this many requests wait")
     parser.add_argument("--max-request-body-bytes", type=_positive_int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                         help="answer 413 to a larger request body, before parsing it (default %(default)s)")
+    parser.add_argument("--engine-hang-timeout", type=_seconds_or_off, default=DEFAULT_ENGINE_HANG_TIMEOUT_S,
+                        help="/health answers 503 once the engine has made no progress for this many seconds "
+                             "while it has requests: hung, or in one step that long (default %(default)s; 0: "
+                             "off; with --data-parallel-size > 1 the cluster fails hung replicas over instead, "
+                             "see --replica-hang-timeout)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug", "trace"))
     parser.add_argument("--step-trace", default=None, metavar="FILE",

@@ -68,6 +68,14 @@ def engine_error(error: BaseException) -> APIError:
     return APIError(500, str(error), type="server_error", code="internal_error")
 
 
+def engine_stalled(stalled_s: float, timeout_s: float) -> APIError:
+    """/health of an engine that has made no progress for longer than the timeout: it may be
+    hung (or in a step that long); it is not dead, and answers again once it steps."""
+    return APIError(503, f"the engine has made no progress for {stalled_s:.1f} s while it has requests "
+                         f"(--engine-hang-timeout {timeout_s:g} s)", type="server_error", code="engine_stalled",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
     """The first pydantic error, as a 400 naming the field by its path (`messages.0.role`)."""
     err = exc.errors()[0]

@@ -20,7 +20,8 @@ _ERROR_MEANINGS = {
     413: "request body larger than --max-request-body-bytes",
     429: "too many requests waiting (--max-waiting-requests); retry after Retry-After",
     500: "the engine failed this request",
-    503: "the engine is not running; retry after Retry-After",
+    503: "the engine is not running (`engine_dead`), or, from /health, has made no progress for "
+         "--engine-hang-timeout seconds with requests to serve (`engine_stalled`); retry after Retry-After",
     504: "its `deadline_ms` passed before it finished (--sla-drop-expired), or the step cost model says it "
          "cannot be met (--sla-drop-unmeetable; the message says what it needs and what was left); retrying "
          "cannot help",
