@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -79,20 +80,41 @@ def test_health_answers_503_while_the_engine_makes_no_progress_with_requests(mak
     url = make_server(engine_hang_timeout=0.3)
     assert httpx.get(f"{url}/health").status_code == 200 and engine.stalled_seconds() is None  # idle
     body = {"model": MODEL, "prompt": "hello world", "max_tokens": 3, "ignore_eos": True}
-    with ThreadPoolExecutor(1) as pool:
+    with ThreadPoolExecutor(2) as pool:
         held = pool.submit(post, url, "/v1/completions", body)
         wait_until(lambda: (engine.stalled_seconds() or 0) > 0.4, "the engine held past the timeout")
         answer = httpx.get(f"{url}/health")
         assert answer.status_code == 503 and "Retry-After" in answer.headers
         assert answer.json()["error"]["code"] == "engine_stalled"
         assert "--engine-hang-timeout 0.3 s" in answer.json()["error"]["message"]
+        # Another request to the held engine does not start the count again: it still has none
+        # of its work done.
+        held_too = pool.submit(post, url, "/v1/completions", body)
+        wait_until(lambda: engine.num_waiting_requests() == 2, "two requests waiting")
+        assert engine.stalled_seconds() > 0.4
         # A longer timeout (or 0: off) is not reached.
         assert httpx.get(f"{make_server(engine_hang_timeout=60)}/health").status_code == 200
         assert httpx.get(f"{make_server(engine_hang_timeout=0)}/health").status_code == 200
         gate.set()
-        assert held.result().status_code == 200
+        assert held.result().status_code == 200 and held_too.result().status_code == 200
     wait_until(lambda: engine.stalled_seconds() is None, "the engine idle again")
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_health_answers_200_while_the_engine_steps_past_the_timeout(make_server, engine, monkeypatch):
+    """Each step reports: a request served over many times the timeout, in steps shorter than
+    it, keeps /health at 200 throughout."""
+    slow_down_steps(engine.core, monkeypatch, 0.05)
+    url = make_server(engine_hang_timeout=0.3)
+    body = {"model": MODEL, "prompt": "hello world", "max_tokens": 30, "ignore_eos": True}
+    with ThreadPoolExecutor(1) as pool:
+        served = pool.submit(post, url, "/v1/completions", body)
+        answers = []
+        while not served.done():
+            answers.append(httpx.get(f"{url}/health").status_code)
+            time.sleep(0.05)
+        assert served.result().status_code == 200
+    assert len(answers) > 10 and set(answers) == {200}
 
 
 def test_a_burst_gets_exactly_the_waiting_limit_and_429s_for_the_rest(make_server, engine, gate):

@@ -23,6 +23,7 @@ import copy
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, Optional, Union
 
@@ -232,10 +233,11 @@ class AsyncLLMEngine:
         self._published: tuple[int, int] = (0, 0)
         self._num_unfinished = 0
         self._stats = stats
-        # Liveness (`stalled_seconds`): when the engine loop last reported (a step done, or its
-        # stats after a batch of commands or an idle wait: the sink's thread), and when the
-        # adds in transit began (the event loop's, under the submit lock).
-        self._heard_at = clock()
+        # Liveness (`stalled_seconds`), on the wall's monotonic clock (the engine's may be
+        # virtual): when the engine loop last reported (a step done, or its stats after a batch
+        # of commands, or after an idle wait when stats are logged: the sink's thread), and
+        # when work reached an engine that had none (the event loop's, under the submit lock).
+        self._heard_at = time.monotonic()
         self._transit_since = self._heard_at
 
     @classmethod
@@ -276,7 +278,7 @@ class AsyncLLMEngine:
         cannot be told from a hung one."""
         if self._num_unfinished == 0 and self._num_submitted == self._published[0]:
             return None
-        return max(0.0, self._clock() - max(self._heard_at, self._transit_since))
+        return max(0.0, time.monotonic() - max(self._heard_at, self._transit_since))
 
     def num_unfinished_requests(self) -> int:
         """Requests the engine holds or that still have a live stream. The engine's count comes
@@ -351,10 +353,11 @@ class AsyncLLMEngine:
                 if quiet:
                     return
                 raise EngineDeadError(f"the engine is not running: {self._dead}") from self._dead
+            # Work reaching an idle engine starts the stall count; one that holds work already
+            # must report on its own (an add to a hung engine must not restart the count).
+            idle = self._num_unfinished == 0 and self._num_submitted == self._published[0]
             if pending is not None:  # before the command: its ack may come at once
                 self._pending[pending[0].request_id] = pending
-                if self._num_submitted == self._published[0]:  # the first add in transit
-                    self._transit_since = self._clock()
             try:
                 self._send(command)
             except BaseException:
@@ -362,6 +365,8 @@ class AsyncLLMEngine:
                     self._pending.pop(pending[0].request_id, None)
                 raise
             if pending is not None:
+                if idle:
+                    self._transit_since = time.monotonic()
                 self._num_submitted += 1
 
     def _send(self, command: Command) -> None:
@@ -423,14 +428,14 @@ class AsyncLLMEngine:
         self._fail_stream(request_id, error)
 
     def on_iteration(self, num_scheduled_tokens: int) -> None:
-        self._heard_at = self._clock()
+        self._heard_at = time.monotonic()
         self.metrics.record_iteration(num_scheduled_tokens)
 
     def on_waiting(self, num_waiting: int) -> None:
         self._published = (self._num_taken, num_waiting)
 
     def on_stats(self, stats: SchedulerStats, num_unfinished: int) -> None:
-        self._heard_at = self._clock()
+        self._heard_at = time.monotonic()
         self._stats = stats
         self.metrics.record_scheduler_stats(stats)
         self._published = (self._num_taken, stats.num_waiting)
