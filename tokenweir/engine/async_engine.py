@@ -276,9 +276,13 @@ class AsyncLLMEngine:
         began if that is later. None while it has none: an idle loop may wait for commands
         indefinitely. A step that really takes this long reads the same: from outside it
         cannot be told from a hung one."""
-        if self._num_unfinished == 0 and self._num_submitted == self._published[0]:
+        if self._engine_idle():
             return None
         return max(0.0, time.monotonic() - max(self._heard_at, self._transit_since))
+
+    def _engine_idle(self) -> bool:
+        """The engine holds no request and none is on its way to it, as far as it has said."""
+        return self._num_unfinished == 0 and self._num_submitted == self._published[0]
 
     def num_unfinished_requests(self) -> int:
         """Requests the engine holds or that still have a live stream. The engine's count comes
@@ -355,7 +359,7 @@ class AsyncLLMEngine:
                 raise EngineDeadError(f"the engine is not running: {self._dead}") from self._dead
             # Work reaching an idle engine starts the stall count; one that holds work already
             # must report on its own (an add to a hung engine must not restart the count).
-            idle = self._num_unfinished == 0 and self._num_submitted == self._published[0]
+            idle = self._engine_idle()
             if pending is not None:  # before the command: its ack may come at once
                 self._pending[pending[0].request_id] = pending
             try:
