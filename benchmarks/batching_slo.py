@@ -420,6 +420,13 @@ def slo_name(hold: str) -> str:
     return "slo" if hold == "itl" else f"slo-{hold}"
 
 
+def step_plot_name(hold: str, target_tpot_ms: float, default_target_ms: float) -> str:
+    """The simulated load step's plot: "slo_step.png" for hold itl at the default target, each
+    other hold or target its own (a sweep at another target must not overwrite it)."""
+    return ("slo_step" + ("" if hold == "itl" else f"_{hold}")
+            + ("" if target_tpot_ms == default_target_ms else f"_t{target_tpot_ms:g}") + ".png")
+
+
 def slo_engine_args(target_tpot_ms: float, hold: str) -> EngineArgs:
     return EngineArgs(batch_controller="slo", target_tpot_ms=target_tpot_ms, batch_control_hold=hold)
 
@@ -611,8 +618,9 @@ def main() -> None:
     step["series"] = series
     result["step"] = step
     plot(series, change_at, ns.target_tpot_ms,
-         OUT / "batching_plots" / ("slo_step.png" if ns.slo_hold == "itl" else f"slo_step_{ns.slo_hold}.png"),
-         title=f"SIMULATED (shipped CPU profile): slo (hold {ns.slo_hold}) batch control after a load step")
+         OUT / "batching_plots" / step_plot_name(ns.slo_hold, ns.target_tpot_ms, ap.get_default("target_tpot_ms")),
+         title=f"SIMULATED (shipped CPU profile): slo (hold {ns.slo_hold}, target {ns.target_tpot_ms:g} ms) "
+               "batch control after a load step")
     ns.output.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in step.items() if k != "series"}, indent=1))
 

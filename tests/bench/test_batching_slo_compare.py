@@ -1,5 +1,5 @@
 """benchmarks/batching_slo.py's verdict: slo against the best static pair meeting the target, by
-the whole run's p99 TPOT, by its windowed p99 TPOT (the target as the issue defines it) and by the
+the whole run's p99 TPOT, by its windowed p99 TPOT (as slo measures it) and by the
 one slo holding ITL holds itself to (p99 TPOT and ITL)."""
 
 import importlib.util
@@ -98,3 +98,11 @@ def test_a_run_whose_whole_p99_lets_its_worst_request_go_misses_the_windowed_cri
     c = batching_slo.compare({"static": [run], "slo": slo}, 250.0)
     assert c["tpot"]["best_static"] == "2048/32" and c["tpot"]["slo_vs_best_pct"] < 0
     assert c["windowed_tpot"]["best_static"] is None and c["windowed_tpot"]["slo_meets"]
+
+
+def test_each_hold_and_target_has_its_own_load_step_plot():
+    name = batching_slo.step_plot_name
+    assert name("itl", 250.0, 250.0) == "slo_step.png"
+    assert name("tpot", 250.0, 250.0) == "slo_step_tpot.png"
+    assert name("tpot", 150.0, 250.0) == "slo_step_tpot_t150.png"
+    assert name("itl", 137.5, 250.0) == "slo_step_t137.5.png"
