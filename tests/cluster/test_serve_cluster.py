@@ -1,35 +1,59 @@
 """`tokenweir serve --data-parallel-size 2` as a user starts it: the official openai client over a
 real socket, both replicas killed mid-stream (real SIGKILL), the stream completed with exactly
-the text an undisturbed one gets, and Ray's processes gone after the server stops."""
+the text an undisturbed one gets, and Ray's processes gone after the server stops; the same on
+a Ray cluster started apart (`ray start`) and joined with --ray-address, which outlives the
+server."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Optional
 
 import openai
 import psutil
+import pytest
 
 from tests.server.test_serve_cli import free_port, wait_healthy
+from tokenweir.cluster import RAY_ENV
 
 
-def replica_processes(server: psutil.Process) -> list[psutil.Process]:
-    return [p for p in server.children(recursive=True) if "EngineReplica" in " ".join(p.cmdline())]
+def replica_processes(root: psutil.Process) -> list[psutil.Process]:
+    return [p for p in root.children(recursive=True) if "EngineReplica" in " ".join(p.cmdline())]
 
 
-def test_serve_data_parallel_survives_its_replicas_dying_mid_stream(tmp_path, tiny_model_dir):
+def wait_gone(processes: list[psutil.Process], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in processes):
+        assert time.monotonic() < deadline, [p for p in processes if p.is_running()]
+        time.sleep(0.2)
+
+
+def serve_command(model_dir: str, port: int, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "tokenweir.cli", "serve", "--model", model_dir,
+            "--dtype", "float32", "--num-gpu-blocks-override", "96", "--max-model-len", "256",
+            "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning",
+            "--data-parallel-size", "2", "--routing-policy", "least_loaded", "--served-model-name", "tiny-llama",
+            *flags]
+
+
+def serve_and_kill_replicas_mid_stream(tmp_path: Path, model_dir: str, replicas_under: Callable[[psutil.Process], psutil.Process],
+                                       *flags: str, env: Optional[dict[str, str]] = None) -> tuple[str, list[psutil.Process]]:
+    """Serves with `flags`, streams a greedy completion while SIGKILLing both replicas (found
+    under the process `replicas_under(server)` gives) after its sixth chunk, and checks it
+    against the same request undisturbed. (The server's log, its descendants) after it stopped."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "tokenweir.cli", "serve", "--model", tiny_model_dir("llama"),
-               "--dtype", "float32", "--num-gpu-blocks-override", "96", "--max-model-len", "256",
-               "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning",
-               "--data-parallel-size", "2", "--routing-policy", "least_loaded", "--served-model-name", "tiny-llama"]
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(serve_command(model_dir, port, *flags), stdout=out, stderr=subprocess.STDOUT, env=env)
     server = psutil.Process(proc.pid)
     try:
         wait_healthy(url, proc, log)
@@ -37,7 +61,7 @@ def test_serve_data_parallel_survives_its_replicas_dying_mid_stream(tmp_path, ti
         body = dict(model="tiny-llama", prompt=[5, 9, 17, 33, 8, 41, 12], max_tokens=60, temperature=0.0,
                     extra_body={"ignore_eos": True})
         expected = client.completions.create(**body).choices[0].text
-        replicas = replica_processes(server)
+        replicas = replica_processes(replicas_under(server))
         assert len(replicas) == 2, replicas
         pieces = []
         for i, chunk in enumerate(client.completions.create(stream=True, **body)):
@@ -56,8 +80,83 @@ def test_serve_data_parallel_survives_its_replicas_dying_mid_stream(tmp_path, ti
         except subprocess.TimeoutExpired:
             proc.kill()
             raise
-    deadline = time.monotonic() + 30
-    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in descendants):
-        assert time.monotonic() < deadline, [p for p in descendants if p.is_running()]
-        time.sleep(0.2)
-    assert "replica 0 lost" in log.read_text() or "replica 1 lost" in log.read_text(), log.read_text()[-2000:]
+    text = log.read_text()
+    assert "replica 0 lost" in text or "replica 1 lost" in text, text[-2000:]
+    return text, descendants
+
+
+def test_serve_data_parallel_survives_its_replicas_dying_mid_stream(tmp_path, tiny_model_dir):
+    _, descendants = serve_and_kill_replicas_mid_stream(tmp_path, tiny_model_dir("llama"), lambda server: server)
+    wait_gone(descendants)
+
+
+@pytest.fixture
+def ray_head() -> Iterator[tuple[psutil.Process, str]]:
+    """A one-node Ray cluster on loopback started as a user starts one (`ray start --head`), in
+    a session of its own and a temp dir of its own (its address file must not send another
+    ray.init on this machine to it once it is gone); stopped by its PID, then its process group."""
+    temp_dir = tempfile.mkdtemp(prefix="tw-ray-", dir="/tmp")  # short: Ray's socket paths live under it
+    port = free_port()
+    log = Path(temp_dir) / "head.log"
+    env = {**os.environ, **RAY_ENV}
+    env.pop("RAY_ADDRESS", None)
+    with open(log, "w") as out:
+        head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
+                                 f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+                                 "--include-dashboard=false", f"--temp-dir={temp_dir}"],
+                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray runtime started" not in log.read_text():
+            assert head.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        yield psutil.Process(head.pid), f"127.0.0.1:{port}"
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait(timeout=30)
+        try:  # whatever of its cluster outlived it (only what it started: its own process group)
+            os.killpg(head.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_without_an_address_the_server_starts_a_ray_of_its_own_beside_another(ray_head):
+    """RAY_ADDRESS (or the address file `ray start` leaves) would make a bare ray.init join that
+    cluster, and refuse the local one's num_cpus there: the server would not start."""
+    _, address = ray_head
+    script = ("import ray\n"
+              "from tokenweir.cluster.config import ClusterConfig\n"
+              "from tokenweir.cluster.coordinator import start_ray\n"
+              "assert start_ray(ClusterConfig(data_parallel_size=2))\n"
+              "print(ray.get_runtime_context().gcs_address)\n"
+              "ray.shutdown()\n")
+    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "RAY_ADDRESS": address},
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    own = done.stdout.strip().splitlines()[-1]
+    assert own.startswith("127.0.0.1:") and own != address
+
+
+def test_serve_joins_a_ray_cluster_with_ray_address_and_leaves_it_running(tmp_path, tiny_model_dir, ray_head):
+    """The replicas run on the cluster (under its raylet, not the server), a replica failover
+    there keeps the stream exact (the replicas' clocks are not the server's: no times carried
+    over), and the server's exit takes its replicas down but not the cluster."""
+    head, address = ray_head
+    # `ray start` checks tokens (Ray's default): a driver must be told to send one, as Ray's
+    # docs say; without it the server says how, and exits.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    refused = subprocess.run(serve_command(tiny_model_dir("llama"), free_port(), "--ray-address", address),
+                             env=env, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "set RAY_AUTH_MODE=token" in refused.stderr, refused.stderr[-3000:]
+    serve_and_kill_replicas_mid_stream(tmp_path, tiny_model_dir("llama"), lambda server: head,
+                                       "--ray-address", address, env={**env, "RAY_AUTH_MODE": "token"})
+    wait_gone(replica_processes(head))
+    assert head.is_running() and head.status() != psutil.STATUS_ZOMBIE
+    raylets = [p for p in head.children(recursive=True) if "raylet" in p.name()]
+    assert raylets and all(p.is_running() for p in raylets)

@@ -63,7 +63,8 @@ def add_cluster_args(parser: argparse.ArgumentParser, ray: bool = True) -> None:
                             + " behind one global queue")
     if ray:
         group.add_argument("--ray-address", default=None,
-                           help="join this Ray cluster (default: start a local one on 127.0.0.1, stopped on exit)")
+                           help="join this Ray cluster (default: start one of its own on 127.0.0.1, stopped on exit, "
+                                "even where another runs on this machine or RAY_ADDRESS is set)")
     group.add_argument("--routing-policy", default=defaults.routing_policy, choices=sorted(ROUTERS),
                        help="which replica a request goes to (default %(default)s)")
     group.add_argument("--routing-balance-abs-threshold", type=int, default=router.balance_abs_threshold,

@@ -82,10 +82,22 @@ def start_ray(config: ClusterConfig) -> bool:
     if ray.is_initialized():
         return False
     if config.ray_address is not None:
-        ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
+        try:
+            ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
+        except ConnectionError as e:
+            if os.environ.get("RAY_AUTH_MODE") is None:
+                # Ray's own message does not say it: a driver joining a cluster that checks tokens
+                # (`ray start`'s default) sends none unless told to.
+                raise ConnectionError(f"{e}. If the cluster uses token authentication (the default of "
+                                      "`ray start`), set RAY_AUTH_MODE=token, with the token in "
+                                      "~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH") from e
+            raise
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, config.data_parallel_size), include_dashboard=False,
-                 _node_ip_address="127.0.0.1", log_to_driver=True)
+        # "local": a Ray of its own even where another runs on this machine. Without an address
+        # ray.init joins the one `ray start` left its address for (or RAY_ADDRESS names), and
+        # refuses num_cpus there: the server would not start.
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, config.data_parallel_size),
+                 include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
     return True
 
 
