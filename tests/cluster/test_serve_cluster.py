@@ -7,6 +7,7 @@ server."""
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -90,28 +92,52 @@ def test_serve_data_parallel_survives_its_replicas_dying_mid_stream(tmp_path, ti
     wait_gone(descendants)
 
 
+# Ray's token authentication, as a user turns it on for a cluster: where its token file is, and
+# the variables of a driver that must use it (none inherited from the machine running the tests).
+RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
+
+
+@dataclass
+class RayHead:
+    process: psutil.Process
+    address: str
+    token_path: str
+
+    def driver_env(self, **extra: str) -> dict[str, str]:
+        """The environment of a driver on this machine with the cluster's token at hand, its
+        auth mode left to `extra`."""
+        env = {k: v for k, v in os.environ.items() if k not in RAY_AUTH_VARS}
+        return {**env, "RAY_AUTH_TOKEN_PATH": self.token_path, **extra}
+
+
 @pytest.fixture
-def ray_head() -> Iterator[tuple[psutil.Process, str]]:
-    """A one-node Ray cluster on loopback started as a user starts one (`ray start --head`), in
-    a session of its own and a temp dir of its own (its address file must not send another
-    ray.init on this machine to it once it is gone); stopped by its PID, then its process group."""
+def ray_head() -> Iterator[RayHead]:
+    """A one-node Ray cluster on loopback started as a user starts one (`ray start --head`) with
+    token authentication on (its own token, so nothing in ~/.ray is read or written), in a
+    session of its own and a temp dir of its own (its address file must not send another
+    ray.init on this machine to it once it is gone). Stopped by its PID: the head stops its
+    processes, and each raylet its workers; then its process group, for anything of the head's
+    own left behind."""
     temp_dir = tempfile.mkdtemp(prefix="tw-ray-", dir="/tmp")  # short: Ray's socket paths live under it
     port = free_port()
     log = Path(temp_dir) / "head.log"
-    env = {**os.environ, **RAY_ENV}
-    env.pop("RAY_ADDRESS", None)
+    token_path = Path(temp_dir) / "auth_token"
+    token_path.write_text(secrets.token_hex(32))
+    head_info = RayHead(None, f"127.0.0.1:{port}", str(token_path))  # type: ignore[arg-type]
     with open(log, "w") as out:
         head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
                                  f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
                                  "--include-dashboard=false", f"--temp-dir={temp_dir}"],
-                                stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**head_info.driver_env(RAY_AUTH_MODE="token"), **RAY_ENV})
     try:
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in log.read_text():
             assert head.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        yield psutil.Process(head.pid), f"127.0.0.1:{port}"
+        head_info.process = psutil.Process(head.pid)
+        yield head_info
     finally:
         head.send_signal(signal.SIGTERM)
         try:
@@ -119,7 +145,7 @@ def ray_head() -> Iterator[tuple[psutil.Process, str]]:
         except subprocess.TimeoutExpired:
             head.kill()
             head.wait(timeout=30)
-        try:  # whatever of its cluster outlived it (only what it started: its own process group)
+        try:
             os.killpg(head.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
@@ -129,14 +155,14 @@ def ray_head() -> Iterator[tuple[psutil.Process, str]]:
 def test_without_an_address_the_server_starts_a_ray_of_its_own_beside_another(ray_head):
     """RAY_ADDRESS (or the address file `ray start` leaves) would make a bare ray.init join that
     cluster, and refuse the local one's num_cpus there: the server would not start."""
-    _, address = ray_head
+    address = ray_head.address
     script = ("import ray\n"
               "from tokenweir.cluster.config import ClusterConfig\n"
               "from tokenweir.cluster.coordinator import start_ray\n"
               "assert start_ray(ClusterConfig(data_parallel_size=2))\n"
               "print(ray.get_runtime_context().gcs_address)\n"
               "ray.shutdown()\n")
-    done = subprocess.run([sys.executable, "-c", script], env={**os.environ, "RAY_ADDRESS": address},
+    done = subprocess.run([sys.executable, "-c", script], env={**ray_head.driver_env(), "RAY_ADDRESS": address},
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     own = done.stdout.strip().splitlines()[-1]
@@ -147,16 +173,37 @@ def test_serve_joins_a_ray_cluster_with_ray_address_and_leaves_it_running(tmp_pa
     """The replicas run on the cluster (under its raylet, not the server), a replica failover
     there keeps the stream exact (the replicas' clocks are not the server's: no times carried
     over), and the server's exit takes its replicas down but not the cluster."""
-    head, address = ray_head
-    # `ray start` checks tokens (Ray's default): a driver must be told to send one, as Ray's
-    # docs say; without it the server says how, and exits.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    head, address = ray_head.process, ray_head.address
+    # The cluster checks tokens: a driver joining it by address sends none unless told to
+    # (RAY_AUTH_MODE=token, as Ray's docs say); without it the server says so, and exits.
     refused = subprocess.run(serve_command(tiny_model_dir("llama"), free_port(), "--ray-address", address),
-                             env=env, capture_output=True, text=True, timeout=300)
-    assert refused.returncode == 2 and "set RAY_AUTH_MODE=token" in refused.stderr, refused.stderr[-3000:]
+                             env=ray_head.driver_env(), capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "refused this one" in refused.stderr \
+        and "Set RAY_AUTH_MODE=token" in refused.stderr, refused.stderr[-3000:]
     serve_and_kill_replicas_mid_stream(tmp_path, tiny_model_dir("llama"), lambda server: head,
-                                       "--ray-address", address, env={**env, "RAY_AUTH_MODE": "token"})
+                                       "--ray-address", address, env=ray_head.driver_env(RAY_AUTH_MODE="token"))
     wait_gone(replica_processes(head))
     assert head.is_running() and head.status() != psutil.STATUS_ZOMBIE
     raylets = [p for p in head.children(recursive=True) if "raylet" in p.name()]
     assert raylets and all(p.is_running() for p in raylets)
+
+
+def test_only_a_refused_token_gets_the_token_advice():
+    """A wrong address or a cluster that is down must not send the user after tokens."""
+    from ray.exceptions import AuthenticationError
+
+    from tokenweir.cluster.coordinator import token_refusal
+
+    def failed_join(cause: BaseException) -> ConnectionError:
+        try:
+            try:
+                raise cause
+            except BaseException as e:
+                raise ConnectionError("Failed to connect to Ray cluster at 127.0.0.1:1") from e
+        except ConnectionError as e:
+            return e
+
+    refusal = AuthenticationError("RPC error: InvalidAuthToken: Authentication token is missing or incorrect")
+    assert token_refusal(failed_join(refusal)) is refusal
+    assert token_refusal(failed_join(RuntimeError("No node info found matching attributes"))) is None
+    assert token_refusal(ConnectionError("Could not find any running Ray instance")) is None

@@ -85,13 +85,14 @@ def start_ray(config: ClusterConfig) -> bool:
         try:
             ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=True)
         except ConnectionError as e:
-            if os.environ.get("RAY_AUTH_MODE") is None:
-                # Ray's own message does not say it: a driver joining a cluster that checks tokens
-                # (`ray start`'s default) sends none unless told to.
-                raise ConnectionError(f"{e}. If the cluster uses token authentication (the default of "
-                                      "`ray start`), set RAY_AUTH_MODE=token, with the token in "
-                                      "~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH") from e
-            raise
+            refusal = token_refusal(e)
+            if refusal is None:
+                raise
+            # Ray says only "Failed to connect"; why is in its cause chain, which the CLI's
+            # error line does not show. A driver joining by address sends no token unless told to.
+            raise ConnectionError(f"{e}: the cluster checks tokens and refused this one ({refusal}). Set "
+                                  "RAY_AUTH_MODE=token, with the cluster's token in ~/.ray/auth_token, "
+                                  "RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH") from e
     else:
         # "local": a Ray of its own even where another runs on this machine. Without an address
         # ray.init joins the one `ray start` left its address for (or RAY_ADDRESS names), and
@@ -99,6 +100,19 @@ def start_ray(config: ClusterConfig) -> bool:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, config.data_parallel_size),
                  include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=True)
     return True
+
+
+def token_refusal(error: BaseException) -> Optional[BaseException]:
+    """The cluster's refusal of this driver's token (or of its missing one) in the cause chain of
+    `error`, a failed ray.init; None if that is not why it failed."""
+    from ray.exceptions import AuthenticationError
+
+    seen: Optional[BaseException] = error
+    while seen is not None:
+        if isinstance(seen, AuthenticationError) or "InvalidAuthToken" in str(seen):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 @dataclass
