@@ -76,12 +76,7 @@ def serve_and_kill_replicas_mid_stream(tmp_path: Path, model_dir: str, replicas_
         assert client.models.list().data[0].id
         descendants = server.children(recursive=True)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
+        assert stop(proc, signal.SIGINT), "the server did not exit within 60 s of SIGINT"
     text = log.read_text()
     assert "replica 0 lost" in text or "replica 1 lost" in text, text[-2000:]
     return text, descendants
@@ -97,17 +92,34 @@ def test_serve_data_parallel_survives_its_replicas_dying_mid_stream(tmp_path, ti
 RAY_AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
 
 
-@dataclass
+def ray_driver_env(token_path: str, **extra: str) -> dict[str, str]:
+    """The environment of a process on this machine with a cluster's token at hand, its auth
+    mode left to `extra`."""
+    env = {k: v for k, v in os.environ.items() if k not in RAY_AUTH_VARS}
+    return {**env, "RAY_AUTH_TOKEN_PATH": token_path, **extra}
+
+
+@dataclass(frozen=True)
 class RayHead:
     process: psutil.Process
     address: str
     token_path: str
 
     def driver_env(self, **extra: str) -> dict[str, str]:
-        """The environment of a driver on this machine with the cluster's token at hand, its
-        auth mode left to `extra`."""
-        env = {k: v for k, v in os.environ.items() if k not in RAY_AUTH_VARS}
-        return {**env, "RAY_AUTH_TOKEN_PATH": self.token_path, **extra}
+        return ray_driver_env(self.token_path, **extra)
+
+
+def stop(proc: subprocess.Popen, sig: int) -> bool:
+    """Sends `sig`, and SIGKILLs the process if it has not exited within 60 s; whether it exited
+    by itself."""
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout=60)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        return False
 
 
 @pytest.fixture
@@ -123,28 +135,21 @@ def ray_head() -> Iterator[RayHead]:
     log = Path(temp_dir) / "head.log"
     token_path = Path(temp_dir) / "auth_token"
     token_path.write_text(secrets.token_hex(32))
-    head_info = RayHead(None, f"127.0.0.1:{port}", str(token_path))  # type: ignore[arg-type]
     with open(log, "w") as out:
         head = subprocess.Popen([str(Path(sys.executable).parent / "ray"), "start", "--head", "--block",
                                  f"--port={port}", "--node-ip-address=127.0.0.1", "--num-cpus=2",
                                  "--include-dashboard=false", f"--temp-dir={temp_dir}"],
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                env={**head_info.driver_env(RAY_AUTH_MODE="token"), **RAY_ENV})
+                                env={**ray_driver_env(str(token_path), RAY_AUTH_MODE="token"), **RAY_ENV})
     try:
         deadline = time.monotonic() + 120
         while "Ray runtime started" not in log.read_text():
             assert head.poll() is None, log.read_text()[-3000:]
             assert time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.2)
-        head_info.process = psutil.Process(head.pid)
-        yield head_info
+        yield RayHead(psutil.Process(head.pid), f"127.0.0.1:{port}", str(token_path))
     finally:
-        head.send_signal(signal.SIGTERM)
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()
-            head.wait(timeout=30)
+        stop(head, signal.SIGTERM)
         try:
             os.killpg(head.pid, signal.SIGKILL)
         except ProcessLookupError:
